@@ -1,0 +1,305 @@
+"""Tables and figures from evaluation results, for one run or compared across runs.
+
+Each task's results live in `<run>/eval/<task>.json` (written by `python -m eval`); this module
+turns them into CSV and Markdown tables and PNG figures. Comparison across runs:
+
+    python -m eval.report runs/a runs/b runs/c [--out eval_report]
+
+writes one table and one figure per task with a line per run and scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from eval import plots
+
+TASKS = ("ppl", "passkey", "attention")
+PROFILES_FILE = "attention_profiles.npz"
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def save_json(path: Path, payload: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, allow_nan=True))
+    tmp.replace(path)
+    return path
+
+
+def load_results(eval_dir: Path) -> dict[str, dict]:
+    """The task results present in an eval directory, by task name."""
+    return {t: json.loads((eval_dir / f"{t}.json").read_text()) for t in TASKS if (eval_dir / f"{t}.json").exists()}
+
+
+def save_profiles(path: Path, profiles: dict[str, dict[int, np.ndarray]]) -> Path:
+    np.savez_compressed(path, **{f"{label}|{layer}": a for label, p in profiles.items() for layer, a in p.items()})
+    return path
+
+
+def load_profiles(path: Path) -> dict[str, dict[int, np.ndarray]]:
+    out: dict[str, dict[int, np.ndarray]] = defaultdict(dict)
+    with np.load(path) as data:
+        for key in data.files:
+            label, layer = key.rsplit("|", 1)
+            out[label][int(layer)] = data[key]
+    return dict(out)
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> Path:
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def fmt(x) -> str:
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return str(x)
+        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.0f}"
+    return str(x)
+
+
+def markdown(header: Sequence[str], rows: Iterable[Sequence]) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pivot(rows: Sequence[dict], label_key: str, value_key: str) -> tuple[list[int], dict[str, dict[int, float]]]:
+    """{label: {length: value}} and the sorted lengths, keeping the order labels first appear in."""
+    table: dict[str, dict[int, float]] = {}
+    for r in rows:
+        table.setdefault(r[label_key], {})[r["length"]] = r[value_key]
+    lengths = sorted({r["length"] for r in rows})
+    return lengths, table
+
+
+def pivot_markdown(lengths: list[int], table: dict[str, dict[int, float]], first: str) -> str:
+    header = [first] + [plots._k(x) for x in lengths]
+    return markdown(header, [[label] + [vals.get(x, "") for x in lengths] for label, vals in table.items()])
+
+
+def passkey_summary(cases: Sequence[dict], modes: Sequence[str]) -> list[dict]:
+    """Accuracy per (label, length) for each scoring mode, plus how often the modes agree."""
+    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for c in cases:
+        groups[(c["label"], c["length"])].append(c)
+    rows = []
+    for (label, length), group in groups.items():
+        row = {"label": label, "length": length, "n": len(group)}
+        for mode in modes:
+            row[f"{mode}_accuracy"] = sum(c[f"{mode}_correct"] for c in group) / len(group)
+        if len(modes) > 1:
+            row["modes_agree"] = sum(len({c[f"{m}_correct"] for m in modes}) == 1 for c in group) / len(group)
+        rows.append(row)
+    return rows
+
+
+def depth_bins(depths: Sequence[float]) -> list[float]:
+    """The depths themselves for a sweep (few distinct values), otherwise 5 equal bins' centres."""
+    distinct = sorted(set(depths))
+    return distinct if len(distinct) <= 10 else [0.1, 0.3, 0.5, 0.7, 0.9]
+
+
+def depth_grid(cases: Sequence[dict], mode: str) -> tuple[list[int], list[float], np.ndarray]:
+    """Accuracy by depth x length (NaN where no case fell)."""
+    lengths = sorted({c["length"] for c in cases})
+    bins = depth_bins([c["depth"] for c in cases])
+    hits = np.zeros((len(bins), len(lengths)))
+    counts = np.zeros_like(hits)
+    for c in cases:
+        i = int(np.argmin([abs(c["depth"] - b) for b in bins]))
+        j = lengths.index(c["length"])
+        hits[i, j] += c[f"{mode}_correct"]
+        counts[i, j] += 1
+    with np.errstate(invalid="ignore"):
+        return lengths, bins, hits / counts
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def label_rows(rows: Sequence[dict], prefix: str = "") -> list[dict]:
+    """Rows with a `label`: the scaling, after a run prefix when comparing runs."""
+    out = []
+    for r in rows:
+        scaling = r["scaling"]
+        label = scaling if not prefix else (prefix if scaling == "none" else f"{prefix} + {scaling}")
+        out.append({"label": label, **r})
+    return out
+
+
+def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str = "") -> dict[str, list[Path]]:
+    """Tables (CSV, Markdown) and figures for the given task results; returns written files by task.
+
+    `results[task]["rows"]` may already hold rows from several runs (labelled with `label`).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: dict[str, list[Path]] = {}
+    md: list[str] = []
+    train_len = _train_len(results)
+    if "ppl" in results:
+        rows = results["ppl"]["rows"]
+        lengths, table = pivot(rows, "label", "ppl")
+        md += ["## Perplexity (sliding window)", "", pivot_markdown(lengths, table, "model / scaling"), ""]
+        md += _notes(results["ppl"])
+        series = {k: (list(v), list(v.values())) for k, v in table.items()}
+        written["ppl"] = [
+            write_csv(out_dir / f"{stem}ppl.csv", rows),
+            plots.plot_ppl(series, out_dir / f"{stem}ppl.png", train_len),
+        ]
+    if "passkey" in results:
+        p = results["passkey"]
+        modes = p["modes"]
+        summary = passkey_summary(p["cases"], modes)
+        lengths, table = pivot(summary, "label", f"{modes[0]}_accuracy")
+        md += [f"## Passkey accuracy ({modes[0]})", "", pivot_markdown(lengths, table, "model / scaling"), ""]
+        if len(modes) > 1:
+            _, agree = pivot(summary, "label", "modes_agree")
+            md += ["Fraction of cases where " + " and ".join(modes) + " agree:", "", pivot_markdown(lengths, agree, "model / scaling"), ""]
+        md += _notes(p)
+        grids = {}
+        for label in table:
+            grids[label] = depth_grid([c for c in p["cases"] if c["label"] == label], modes[0])
+        series = {k: (list(v), list(v.values())) for k, v in table.items()}
+        written["passkey"] = [
+            write_csv(out_dir / f"{stem}passkey.csv", summary),
+            write_csv(out_dir / f"{stem}passkey_cases.csv", [_flat_case(c) for c in p["cases"]]),
+            plots.plot_passkey(series, out_dir / f"{stem}passkey.png", train_len),
+            plots.plot_passkey_depth(grids, out_dir / f"{stem}passkey_depth.png"),
+        ]
+    if "attention" in results:
+        a = results["attention"]
+        keys = ["max_score", "min_score", "std_score", "outlier_ratio", "max_zscore", "local_mass"]
+        md += [
+            f"## Attention scores at {a['length']} tokens "
+            f"(outliers: > row mean + {a['sigma']:g} std; local mass: nearest {a['window']} keys)",
+            "",
+            markdown(["model / scaling", "layer"] + keys, [[r["label"], r["layer"]] + [r[k] for k in keys] for r in a["rows"]]),
+            "",
+        ]
+        md += _notes(a)
+        written["attention"] = [write_csv(out_dir / f"{stem}attention.csv", a["rows"])]
+        if a.get("profiles"):
+            written["attention"].append(
+                plots.plot_attention_profiles(a["profiles"], out_dir / f"{stem}attention_scores.png", train_len)
+            )
+    md_path = out_dir / f"{stem}report.md"
+    md_path.write_text(_header(results, prefix) + "\n".join(md))
+    written["markdown"] = [md_path]
+    return written
+
+
+def _flat_case(case: dict) -> dict:
+    return {k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in case.items()}
+
+
+def _notes(result: dict) -> list[str]:
+    return [f"- {n}" for n in result.get("notes", [])] + ([""] if result.get("notes") else [])
+
+
+def _train_len(results: dict[str, dict]) -> int | None:
+    lens = {r["meta"]["train_len"] for r in results.values() if "meta" in r}
+    return lens.pop() if len(lens) == 1 else None
+
+
+def _header(results: dict[str, dict], prefix: str) -> str:
+    metas = [r["meta"] for r in results.values() if "meta" in r]
+    if not metas:
+        return "# Evaluation report\n\n"
+    m = metas[0]
+    return (
+        f"# Evaluation: {prefix or m['label']}\n\n"
+        f"run `{m['run']}`, attention {m['label']}, training length {m['train_len']}, "
+        f"step {m.get('step')}, evaluated on {m.get('source')}\n\n"
+    )
+
+
+def run_results(eval_dir: Path) -> dict[str, dict]:
+    """A run's results with labelled rows (scaling only) and attention profiles loaded."""
+    results = load_results(eval_dir)
+    return {task: _labelled(task, r, eval_dir, "") for task, r in results.items()}
+
+
+def _labelled(task: str, result: dict, eval_dir: Path, prefix: str) -> dict:
+    result = dict(result)
+    if task == "passkey":
+        result["cases"] = label_rows(result["cases"], prefix)
+    else:
+        result["rows"] = label_rows(result["rows"], prefix)
+    if task == "attention" and (eval_dir / PROFILES_FILE).exists():
+        result["profiles"] = {
+            (k if not prefix else (prefix if k == "none" else f"{prefix} + {k}")): v
+            for k, v in load_profiles(eval_dir / PROFILES_FILE).items()
+        }
+    return result
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+def compare(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, list[Path]]:
+    """One table and one figure per task with a line per (run, scaling)."""
+    loaded = []
+    for run in run_dirs:
+        eval_dir = run / "eval" if (run / "eval").is_dir() else run
+        results = load_results(eval_dir)
+        if not results:
+            raise FileNotFoundError(f"no evaluation results in {eval_dir} (run `python -m eval run={run}` first)")
+        loaded.append((run, eval_dir, results))
+    labels = [next(iter(r.values()))["meta"]["label"] for _, _, r in loaded]
+    if len(set(labels)) < len(labels):
+        labels = [f"{run.name} ({label})" for (run, _, _), label in zip(loaded, labels)]
+    merged: dict[str, dict] = {}
+    for (run, eval_dir, results), label in zip(loaded, labels):
+        for task, result in results.items():
+            r = _labelled(task, result, eval_dir, label)
+            m = merged.setdefault(task, {"meta": r["meta"], "notes": [], "rows": [], "cases": [], "profiles": {}})
+            m["rows"] += r.get("rows", [])
+            m["cases"] += r.get("cases", [])
+            m["profiles"].update(r.get("profiles", {}))
+            m["notes"] += [f"{label}: {n}" for n in r.get("notes", [])]
+            for key in ("modes", "length", "sigma", "window"):
+                if key in r:
+                    m.setdefault(key, r[key])
+    for m in merged.values():
+        m["meta"] = {**m["meta"], "label": ", ".join(labels), "run": ", ".join(map(str, run_dirs))}
+    return render(merged, out_dir, prefix="comparison of " + ", ".join(labels), stem="compare_")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (or their eval/ folders)")
+    parser.add_argument("--out", type=Path, default=Path("eval_report"), help="output folder")
+    args = parser.parse_args(argv)
+    try:
+        written = compare(args.runs, args.out)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for task, paths in written.items():
+        for p in paths:
+            print(f"{task}: {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

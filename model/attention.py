@@ -1,0 +1,244 @@
+"""Causal self-attention: each variant is a small q/k transform followed by one shared kernel.
+
+    origin       q_eff = rope(q, m)              k_eff = rope(k, n)
+    coca slack   q_eff = q * rope(q, m)          k_eff = rope(t, n)          (the released code)
+    coca strict  q_eff = rope([|q_j|^2, 0], m)   k_eff = rope([t_j, 0], n)   (paper Eq. 9, exact)
+    alibi        q_eff = q                       k_eff = k, plus bias -slope_h * (m - n)
+
+Scores are q_eff . k_eff / sqrt(head_dim) under the causal mask. Origin and both CoCA forms run on
+`scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels: no N x N score
+matrix). ALiBi runs on FlexAttention with a score modification where it can (see `alibi_attention`).
+
+CoCA's t: the T projection replaces K. Each rotary pair (j, j + r/2) of t is tied by averaging and
+made non-negative, t_j = relu((t_j + t_{j+r/2}) / 2), so k = q_m * t_n is collinear with q_m in every
+rotated pair. With rotary_pct < 1 the non-rotary dims d >= r are not rotated, so k_d = q_d * t_d is
+collinear with q_d for any t_d >= 0: they get t_d = relu(t_d) each, and both forms score them as
+sum_d q_d^2 t_d (a position-free term). With rotary_pct = 1 this is exactly the released code.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .rope import RopeTables, apply_rope
+
+# On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
+# ~30 s once per process plus a few seconds per new length; below this query length the chunked
+# SDPA path is used instead (see `alibi_attention`).
+CPU_FLEX_MIN_LEN = 1024
+# Query rows per chunk of the ALiBi additive-bias path: the bias is [H, rows, keys].
+ALIBI_CHUNK = 256
+
+
+class AttentionInputs(NamedTuple):
+    """A layer's attention inputs: scores = q_eff @ k_eff.T / sqrt(D) - slope * (m - n), n <= m."""
+
+    q_eff: torch.Tensor  # [B, H, T, D]
+    k_eff: torch.Tensor  # [B, H, T, D]
+    alibi_slopes: torch.Tensor | None  # [H]
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """Press et al.'s head slopes: 2^(-8/H), 2^(-16/H), ... with their rule for H not a power of 2."""
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        return torch.tensor(power_of_2(n_head), dtype=torch.float64)
+    closest = 2 ** math.floor(math.log2(n_head))
+    extra = alibi_slopes(2 * closest)[0::2][: n_head - closest]
+    return torch.cat((torch.tensor(power_of_2(closest), dtype=torch.float64), extra))
+
+
+# ---- q/k transforms ------------------------------------------------------------------------------
+
+
+def coca_tie(t: torch.Tensor, rotary_dims: int) -> torch.Tensor:
+    """CoCA's t: each rotary pair averaged and ReLU'd (duplicated back), other dims ReLU'd."""
+    half = rotary_dims // 2
+    tied = F.relu((t[..., :half] + t[..., half:rotary_dims]) / 2)
+    return torch.cat((tied, tied, F.relu(t[..., rotary_dims:])), dim=-1)
+
+
+def origin_qk(q, k, q_rope: RopeTables, k_rope: RopeTables):
+    return apply_rope(q, q_rope), apply_rope(k, k_rope)
+
+
+def coca_slack_qk(q, t, q_rope: RopeTables, k_rope: RopeTables):
+    """The released code's a(m,n) = sum_d q[d] rope(q,m)[d] rope(t,n)[d], as one dot product."""
+    return q * apply_rope(q, q_rope), apply_rope(t, k_rope)
+
+
+def coca_strict_qk(q, t, q_rope: RopeTables, k_rope: RopeTables):
+    """Eq. 9, a(m,n) = sum_j t_{n,j} |q_{m,j}|^2 cos((m-n) theta_j), as one dot product.
+
+    Pair j of q_eff holds (|q_j|^2, 0) rotated by m and pair j of k_eff holds (t_j, 0) rotated by n,
+    so their dot product is |q_j|^2 t_j cos((m - n) theta_j): purely relative.
+    """
+    half = q_rope[0].shape[-1] // 2
+    r = 2 * half
+    sq = q[..., :half] ** 2 + q[..., half:r] ** 2
+    q_eff = apply_rope(torch.cat((sq, torch.zeros_like(sq), q[..., r:] ** 2), dim=-1), q_rope)
+    th = t[..., :half]
+    k_eff = apply_rope(torch.cat((th, torch.zeros_like(th), t[..., r:]), dim=-1), k_rope)
+    return q_eff, k_eff
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+
+
+def causal_attention(q, k, v, alibi: bool = False) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) [+ ALiBi bias]) v, query i at position Tk - Tq + i (KV-cache aware)."""
+    if alibi:
+        return alibi_attention(q, k, v)
+    tq, tk = q.shape[-2], k.shape[-2]
+    if tq == tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if tq == 1:  # one new token sees the whole cache
+        return F.scaled_dot_product_attention(q, k, v)
+    mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def alibi_attention(q, k, v) -> torch.Tensor:
+    """ALiBi attention on the fastest correct kernel available.
+
+    FlexAttention with a score modification (O(N) memory) on GPU, and on CPU for long inputs that
+    need no backward pass; otherwise (CPU training, short inputs, KV-cache steps) SDPA over chunks
+    of query rows with an additive bias that uses a large finite negative for masked keys (never
+    -inf, which has produced NaN in CPU SDPA at long lengths).
+    """
+    tq, tk = q.shape[-2], k.shape[-2]
+    needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if tq == tk and (q.is_cuda or (not needs_backward and tq >= CPU_FLEX_MIN_LEN)):
+        return _flex_alibi(q, k, v)
+    return _chunked_alibi(q, k, v)
+
+
+def _chunked_alibi(q, k, v) -> torch.Tensor:
+    tq, tk = q.shape[-2], k.shape[-2]
+    slopes = alibi_slopes(q.shape[1]).to(q.device)[:, None, None]  # float64: exact bias
+    offset = tk - tq
+    keys = torch.arange(tk, device=q.device)
+    masked = torch.finfo(q.dtype).min
+    out = []
+    for start in range(0, tq, ALIBI_CHUNK):
+        end = min(tq, start + ALIBI_CHUNK)
+        m = torch.arange(offset + start, offset + end, device=q.device)[:, None]
+        n = keys[None, : offset + end]  # later keys are all masked for this chunk
+        bias = (-slopes * (m - n)).to(q.dtype).masked_fill(n > m, masked)
+        out.append(
+            F.scaled_dot_product_attention(
+                q[..., start:end, :], k[..., : offset + end, :], v[..., : offset + end, :], attn_mask=bias
+            )
+        )
+    return torch.cat(out, dim=-2)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(length: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, m, n: m >= n, None, None, length, length, device=device)
+
+
+@functools.lru_cache(maxsize=32)
+def _slopes(n_head: int, device: str) -> torch.Tensor:
+    """float32 slopes on a device (kept out of the state dict and of bf16/fp16 casts)."""
+    return alibi_slopes(n_head).to(device, torch.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def _alibi_score_mod(n_head: int, device: str):
+    """One score_mod per (heads, device): slopes are the same in every layer, so all share one compile."""
+    slopes = _slopes(n_head, device)
+
+    def score_mod(score, b, h, m, n):
+        return score - slopes[h] * (m - n)
+
+    return score_mod
+
+
+def _flex_alibi(q, k, v) -> torch.Tensor:
+    device = str(q.device)
+    flex = _compiled_flex()
+    mod = _alibi_score_mod(q.shape[1], device)
+    return flex(q, k, v, score_mod=mod, block_mask=_causal_block_mask(q.shape[-2], device))
+
+
+# ---- module --------------------------------------------------------------------------------------
+
+
+class LayerCache:
+    """One layer's KV cache. Keys are stored before rotation (k, or CoCA's tied t) so that every
+    step rotates them for the current length: dynamic NTK changes the base, and so the rotation of
+    every cached key, as the length grows; rotating L keys costs about as much as reading them."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is not None:
+            k, v = torch.cat((self.keys, k), dim=-2), torch.cat((self.values, v), dim=-2)
+        self.keys, self.values = k, v
+        return k, v
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.attention, self.rotary_dims = cfg.attention, cfg.rotary_dims
+        # Fused (q, k-or-t, v) projection, laid out per head as in GPT-NeoX: [H, 3, D] rows.
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        if cfg.attention == "origin":
+            self.qk = origin_qk
+        elif cfg.attention == "coca":
+            self.qk = coca_slack_qk if cfg.coca_form == "slack" else coca_strict_qk
+        else:
+            self.qk = None  # alibi: q and k are used as they are
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RopeTables | None,
+        cache: LayerCache | None = None,
+        capture: list[AttentionInputs] | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, C]; rope: cos/sin for every key position (cache + new), queries use the last T."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        if self.attention == "coca":
+            k = coca_tie(k, self.rotary_dims)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if self.qk is not None:
+            cos, sin = rope
+            q, k = self.qk(q, k, (cos[-T:], sin[-T:]), rope)
+        alibi = self.attention == "alibi"
+        if capture is not None:
+            capture.append(AttentionInputs(q, k, _slopes(self.n_head, str(x.device)) if alibi else None))
+        y = causal_attention(q, k, v, alibi)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))

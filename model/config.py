@@ -1,0 +1,158 @@
+"""Model configuration: a typed dataclass, named presets ("flavors") and parameter counts.
+
+Field types are the ones OmegaConf structured configs accept (no `Literal`), so Hydra type-checks
+overrides; allowed values are checked in `__post_init__` with messages naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTENTIONS = ("origin", "alibi", "coca")
+COCA_FORMS = ("slack", "strict")
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn")
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+@dataclass
+class RopeScaling:
+    """How RoPE is stretched beyond the training length (changeable on a trained model).
+
+    type: none | linear (position interpolation) | ntk (static NTK-aware base) |
+          dynamic (NTK base recomputed for the length actually processed) | yarn.
+    factor: the stretch factor (>= 1).
+    beta_fast, beta_slow: YaRN's correction range in rotations (used only by `yarn`).
+    """
+
+    type: str = "none"
+    factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        _one_of("model.rope_scaling.type", self.type, ROPE_SCALINGS)
+        if not self.factor >= 1.0:
+            raise ValueError(f"model.rope_scaling.factor={self.factor!r} must be >= 1.0")
+        if not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(
+                f"model.rope_scaling.beta_fast={self.beta_fast!r}, beta_slow={self.beta_slow!r}: "
+                "need beta_fast > beta_slow > 0"
+            )
+
+
+@dataclass
+class ModelConfig:
+    """A GPT-NeoX-style decoder (parallel residual, rotate-half RoPE, untied embeddings, GELU).
+
+    attention: origin (RoPE) | alibi | coca; coca_form: slack (released code) | strict (Eq. 9).
+    max_seq_len: the training length L0 (dynamic NTK and YaRN scale relative to it).
+    rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
+    """
+
+    vocab_size: int = 4096
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    ffn_hidden: int = 1024
+    max_seq_len: int = 128
+    attention: str = "origin"
+    coca_form: str = "slack"
+    rotary_pct: float = 1.0
+    rope_base: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    parallel_residual: bool = True
+    layernorm_eps: float = 1e-5
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len"):
+            _positive(f"model.{name}", getattr(self, name))
+        _one_of("model.attention", self.attention, ATTENTIONS)
+        _one_of("model.coca_form", self.coca_form, COCA_FORMS)
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head dimension model.n_embd/model.n_head={self.head_dim} must be even "
+                "(RoPE and CoCA pair dimensions j and j + head_dim/2)"
+            )
+        if not 0.0 < self.rotary_pct <= 1.0:
+            raise ValueError(f"model.rotary_pct={self.rotary_pct!r} must be in (0, 1]")
+        if self.attention != "alibi" and (self.rotary_dims < 2 or self.rotary_dims % 2):
+            raise ValueError(
+                f"model.rotary_pct={self.rotary_pct} gives {self.rotary_dims} rotary dims of "
+                f"head dimension {self.head_dim}; they must be even and >= 2 to form pairs"
+            )
+        if not self.rope_base > 1.0:
+            raise ValueError(f"model.rope_base={self.rope_base!r} must be > 1")
+        scaling = self.rope_scaling.type
+        if self.attention == "alibi" and scaling != "none":
+            raise ValueError(
+                f"model.rope_scaling.type={scaling!r} with model.attention='alibi': ALiBi has no "
+                "RoPE to scale; allowed: none"
+            )
+        if scaling in ("ntk", "dynamic", "yarn") and self.rotary_dims <= 2:
+            raise ValueError(
+                f"model.rope_scaling.type={scaling!r} needs more than 2 rotary dims "
+                f"(got {self.rotary_dims}); raise model.rotary_pct or the head dimension"
+            )
+        if self.init_std <= 0 or self.layernorm_eps <= 0:
+            raise ValueError("model.init_std and model.layernorm_eps must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def rotary_dims(self) -> int:
+        """Leading dims of each head that RoPE rotates (as GPT-NeoX: int(head_dim * rotary_pct))."""
+        return int(self.head_dim * self.rotary_pct)
+
+
+# Named presets. `350m` is the paper's released GPT-NeoX configuration (about 302M non-embedding
+# parameters); `125m` and `1.3b` follow the Pythia shapes of the same family.
+FLAVORS: dict[str, dict[str, Any]] = {
+    "tiny": dict(n_layer=4, n_head=4, n_embd=256, ffn_hidden=1024, max_seq_len=128),
+    "125m": dict(n_layer=12, n_head=12, n_embd=768, ffn_hidden=3072, max_seq_len=512),
+    "350m": dict(n_layer=24, n_head=16, n_embd=1024, ffn_hidden=4096, max_seq_len=512),
+    "1.3b": dict(n_layer=24, n_head=16, n_embd=2048, ffn_hidden=8192, max_seq_len=512),
+}
+
+
+def flavor(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset with `overrides` applied, e.g. `flavor("350m", attention="coca")`."""
+    if name not in FLAVORS:
+        raise ValueError(f"flavor {name!r} is not one of {', '.join(FLAVORS)}")
+    return ModelConfig(**{**FLAVORS[name], **overrides})
+
+
+def count_parameters(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts from the shapes alone (no model is built).
+
+    `embedding` is the token embedding plus the LM head when untied; the rest is `non_embedding`.
+    """
+    c, f = cfg.n_embd, cfg.ffn_hidden
+    layernorm = 2 * c
+    attention = (c * 3 * c + 3 * c) + (c * c + c)
+    mlp = (c * f + f) + (f * c + c)
+    per_layer = 2 * layernorm + attention + mlp
+    non_embedding = cfg.n_layer * per_layer + layernorm  # + final LayerNorm
+    embedding = cfg.vocab_size * c * (1 if cfg.tie_embeddings else 2)
+    return dict(embedding=embedding, non_embedding=non_embedding, total=embedding + non_embedding)
+

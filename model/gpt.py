@@ -1,0 +1,186 @@
+"""A GPT-NeoX-style decoder: the model the framework trains and evaluates.
+
+    x -> wte -> [Block] x n_layer -> ln_f -> lm_head          (untied embeddings by default)
+
+    Block, parallel residual (GPT-NeoX):     Block, sequential:
+        x + attn(ln_1(x)) + mlp(ln_2(x))         x = x + attn(ln_1(x)); x + mlp(ln_2(x))
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import AttentionInputs, CausalSelfAttention, LayerCache
+from .config import ModelConfig, RopeScaling
+from .rope import Rope, RopeTables
+
+# Logit elements per LM-head chunk (tokens per chunk = this // vocab_size).
+LOSS_CHUNK_ELEMENTS = 2**23
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, cfg.ffn_hidden)
+        self.proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # exact (erf) GELU, as GPT-NeoX's "gelu"
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.parallel = cfg.parallel_residual
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None):
+        if self.parallel:
+            return x + self.attn(self.ln_1(x), rope, cache, capture) + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x), rope, cache, capture)
+        return x + self.mlp(self.ln_2(x))
+
+
+class KVCache:
+    """Per-layer caches for `GPT.forward(idx, cache=...)`: feed the prompt, then one token at a time."""
+
+    def __init__(self, n_layer: int):
+        self.layers = [LayerCache() for _ in range(n_layer)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.rope = (
+            None
+            if cfg.attention == "alibi"
+            else Rope(cfg.rotary_dims, cfg.rope_base, cfg.max_seq_len, cfg.rope_scaling)
+        )
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def hidden_states(
+        self, idx: torch.Tensor, cache: KVCache | None = None, capture: list | None = None
+    ) -> torch.Tensor:
+        """Final (ln_f) hidden states [B, T, C]. With a cache, idx continues the cached tokens."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
+        past = cache.length if cache is not None else 0
+        length = past + idx.shape[1]
+        x = self.wte(idx)
+        rope = None
+        if self.rope is not None:
+            positions = torch.arange(length, device=idx.device)
+            rope = self.rope.tables(positions, length, x.dtype)
+        remat = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for i, block in enumerate(self.h):
+            layer_cache = cache.layers[i] if cache is not None else None
+            if remat and layer_cache is None and capture is None:
+                x = checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope, layer_cache, capture)
+        return self.ln_f(x)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Logits [B, T, V]; with `targets` [B, T], the mean cross entropy (-100 ignored) instead."""
+        h = self.hidden_states(idx, cache)
+        if targets is None:
+            return self.lm_head(h)
+        losses = self._chunked_cross_entropy(h, targets)
+        return losses.sum() / (targets != -100).sum()
+
+    def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy [B, T] in float32 (0 where the target is -100)."""
+        return self._chunked_cross_entropy(self.hidden_states(idx), targets).view(targets.shape)
+
+    def _chunked_cross_entropy(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross entropy over the LM head a chunk of tokens at a time; no [B, T, V] tensor is kept
+        (under autograd each chunk's logits are recomputed in the backward pass)."""
+        if targets.shape != h.shape[:2]:
+            raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(h.shape[:2])}")
+        h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        rows = max(1, LOSS_CHUNK_ELEMENTS // self.cfg.vocab_size)
+        grad = torch.is_grad_enabled() and h.requires_grad
+        out = []
+        for start in range(0, h.shape[0], rows):
+            hc, tc = h[start : start + rows], targets[start : start + rows]
+            out.append(checkpoint(self._ce, hc, tc, use_reentrant=False) if grad else self._ce(hc, tc))
+        return torch.cat(out)
+
+    def _ce(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.lm_head(h).float(), targets, ignore_index=-100, reduction="none")
+
+    # ---- inference tools -------------------------------------------------------------------------
+
+    def set_rope_scaling(self, type: str, factor: float) -> None:
+        """Switch RoPE scaling on a trained model (weights are unchanged)."""
+        old = self.cfg.rope_scaling
+        scaling = RopeScaling(type=type, factor=factor, beta_fast=old.beta_fast, beta_slow=old.beta_slow)
+        self.cfg = replace(self.cfg, rope_scaling=scaling)  # re-validates (e.g. ALiBi + scaling)
+        if self.rope is not None:
+            self.rope.scaling = scaling
+
+    @torch.no_grad()
+    def capture_qk(self, idx: torch.Tensor) -> list[AttentionInputs]:
+        """Each layer's (q_eff, k_eff, alibi_slopes), from which its attention scores follow."""
+        capture: list[AttentionInputs] = []
+        self.hidden_states(idx, capture=capture)
+        return capture
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        greedy: bool = False,
+    ) -> torch.Tensor:
+        """Continue idx [B, T] by max_new_tokens tokens with a KV cache; returns [B, T + new]."""
+        if not greedy and temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0 (or use greedy=True)")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k={top_k} must be >= 1")
+        cache = KVCache(self.cfg.n_layer)
+        logits = self.lm_head(self.hidden_states(idx, cache)[:, -1])
+        for step in range(max_new_tokens):
+            if greedy:
+                token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits.float() / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, token), dim=1)
+            if step + 1 < max_new_tokens:
+                logits = self.lm_head(self.hidden_states(token, cache)[:, -1])
+        return idx

@@ -1,0 +1,122 @@
+"""Typed data configuration (OmegaConf structured-config compatible: no Literal, checks in __post_init__)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_KINDS = ("stdlib", "files", "hub", "tokens")
+SPLITS = ("train", "val", "test")
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+@dataclass
+class SourceConfig:
+    """One corpus source.
+
+    kind: `stdlib` (this Python's standard-library .py files, no download), `files` (local
+    jsonl/json/txt/parquet; `path` is a glob, may contain `{split}` to name per-split files),
+    `hub` (Hugging Face dataset `name`, streamed), `tokens` (a directory written by
+    `python -m data.prepare`).
+    split: hub split names for train,val,test (comma separated); unused by other kinds.
+    weight: share of the training blocks drawn from this source in a mixture.
+    """
+
+    kind: str = "stdlib"
+    path: str = ""
+    name: str = ""
+    subset: Optional[str] = None
+    split: str = "train,validation,test"
+    text_field: str = "text"
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("data.sources.kind", self.kind, SOURCE_KINDS)
+        if self.kind in ("files", "tokens") and not self.path:
+            raise ValueError(f"data.sources.path is required for kind={self.kind!r}")
+        if self.kind == "hub" and not self.name:
+            raise ValueError("data.sources.name is required for kind='hub' (e.g. deepmind/pg19)")
+        if len(self.split.split(",")) != 3:
+            raise ValueError(f"data.sources.split={self.split!r} must name 3 hub splits: train,val,test")
+        if not self.weight > 0:
+            raise ValueError(f"data.sources.weight={self.weight} must be > 0")
+
+    def describe(self) -> str:
+        """Short name used in error messages, e.g. `files:data/*.jsonl`."""
+        return {"stdlib": "stdlib", "hub": f"hub:{self.name}"}.get(self.kind, f"{self.kind}:{self.path}")
+
+
+@dataclass
+class TokenizerConfig:
+    """SentencePiece BPE with byte fallback, trained on a sample of the train split (or loaded).
+
+    model_path: an existing `.model` file; when empty one is trained and cached under cache_dir.
+    sample_docs: documents of the train split used for training (drawn across sources by weight).
+    """
+
+    vocab_size: int = 4096
+    model_path: str = ""
+    character_coverage: float = 0.9995
+    sample_docs: int = 400
+    max_sentences: int = 200_000
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 300:
+            raise ValueError(
+                f"data.tokenizer.vocab_size={self.vocab_size} must be >= 300 (256 byte pieces + specials)"
+            )
+        if not 0.9 <= self.character_coverage <= 1.0:
+            raise ValueError(f"data.tokenizer.character_coverage={self.character_coverage} must be in [0.9, 1]")
+        if self.sample_docs < 1:
+            raise ValueError(f"data.tokenizer.sample_docs={self.sample_docs} must be >= 1")
+
+
+@dataclass
+class DataConfig:
+    """The corpus, its tokenizer and the stream settings.
+
+    shuffle_buffer: blocks shuffled together in the train split (0 or 1: no shuffle).
+    val_fraction/test_fraction: share of stdlib/files documents (by hash of path) in val/test.
+    cache_dir: tokenizer cache (relative paths are relative to the repository root).
+    """
+
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    shuffle_buffer: int = 256
+    num_workers: int = 1
+    seed: int = 1234
+    val_fraction: float = 0.05
+    test_fraction: float = 0.1
+    cache_dir: str = ".cache"
+
+    def __post_init__(self) -> None:
+        # OmegaConf hands nested configs over as DictConfig; accept plain dicts too.
+        self.sources = [s if isinstance(s, SourceConfig) else SourceConfig(**s) for s in self.sources]
+        if not isinstance(self.tokenizer, TokenizerConfig):
+            self.tokenizer = TokenizerConfig(**self.tokenizer)
+        if not self.sources:
+            raise ValueError("data.sources is empty: configure at least one source")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} must be >= 0")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0")
+        if not (0 < self.val_fraction < 1 and 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1):
+            raise ValueError(
+                f"data.val_fraction={self.val_fraction} and data.test_fraction={self.test_fraction} "
+                "must be in (0, 1) with a sum below 1"
+            )
+
+    @property
+    def cache_path(self) -> Path:
+        path = Path(self.cache_dir).expanduser()
+        return path if path.is_absolute() else REPO_ROOT / path
+
+
+def check_split(split: str) -> None:
+    _check_choice("split", split, SPLITS)

@@ -1,0 +1,38 @@
+"""Long documents for length-extrapolation evaluation (perplexity at 8K, 16K, ... tokens)."""
+
+from __future__ import annotations
+
+from data.config import DataConfig, check_split
+from data.sources import open_source, text_of
+from data.tokenizer import Tokenizer
+
+
+def long_documents(cfg: DataConfig, tokenizer: Tokenizer, *, min_tokens: int, n_docs: int,
+                   split: str = "test", seed: int = 0) -> list[list[int]]:
+    """The first `n_docs` documents with >= `min_tokens` tokens, each truncated to `min_tokens`.
+
+    Sources are read in config order, each in its seeded document order, so the result is a
+    function of (corpus, tokenizer, split, seed). Ids are the raw document tokens: no BOS/EOS
+    (training streams put EOS between documents; prepend `tokenizer.eos_id` to mimic that).
+    """
+    check_split(split)
+    if min_tokens < 1 or n_docs < 1:
+        raise ValueError(f"min_tokens={min_tokens} and n_docs={n_docs} must be >= 1")
+    found: list[list[int]] = []
+    for src in cfg.sources:
+        if src.kind == "tokens":
+            continue
+        for example in open_source(src, split, cfg, seed=seed):
+            text = text_of(example, src)
+            if len(text.encode("utf-8", errors="replace")) < min_tokens:
+                continue  # a token is at least one byte: cannot reach min_tokens
+            ids = tokenizer.encode(text)
+            if len(ids) >= min_tokens:
+                found.append(ids[:min_tokens])
+                if len(found) == n_docs:
+                    return found
+    names = ", ".join(s.describe() for s in cfg.sources)
+    raise ValueError(
+        f"only {len(found)} documents with >= {min_tokens} tokens in split {split!r} of sources {names}; "
+        f"asked for {n_docs}"
+    )

@@ -1,0 +1,56 @@
+"""`build_loader`: the resumable dataloader of packed token blocks for one data-parallel rank."""
+
+from __future__ import annotations
+
+import torch
+from datasets.distributed import split_dataset_by_node
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from data.config import DataConfig, check_split
+from data.sources import check_source, open_source
+from data.stream import PackedStream
+from data.tokenizer import Tokenizer
+
+
+def _check_shards(cfg: DataConfig, split: str, rank: int, world_size: int) -> None:
+    """Every dataloader worker of the train split needs documents of every source."""
+    if split != "train" or cfg.num_workers < 2:
+        return
+    for src in cfg.sources:
+        if src.kind == "tokens":
+            continue
+        ds = open_source(src, split, cfg, seed=cfg.seed)
+        if world_size > 1:
+            ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
+        if ds.num_shards < cfg.num_workers:
+            raise ValueError(
+                f"source {src.describe()}: split {split!r} has {ds.num_shards} shard(s) for rank {rank}, "
+                f"fewer than data.num_workers={cfg.num_workers}; lower num_workers or use more files"
+            )
+
+
+def build_loader(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int, batch_size: int,
+                 rank: int = 0, world_size: int = 1) -> StatefulDataLoader:
+    """Batches `LongTensor[batch_size, seq_len + 1]` (inputs `x[:, :-1]`, targets `x[:, 1:]`).
+
+    `train` is infinite (epochs repeat, documents reordered per epoch, blocks shuffled within
+    `cfg.shuffle_buffer`); `val`/`test` are one deterministic pass (last batch may be smaller).
+    `loader.state_dict()` after k batches, given to `load_state_dict` of a loader built with the
+    same arguments, continues with batch k + 1 exactly (on every rank, with any num_workers).
+    """
+    check_split(split)
+    if seq_len < 1 or batch_size < 1:
+        raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    for src in cfg.sources:
+        check_source(src, split, cfg)
+    _check_shards(cfg, split, rank, world_size)
+    stream = PackedStream(cfg, tokenizer, split=split, seq_len=seq_len, rank=rank, world_size=world_size)
+    return StatefulDataLoader(
+        stream,
+        batch_size=batch_size,
+        num_workers=cfg.num_workers,
+        drop_last=split == "train",
+        pin_memory=torch.cuda.is_available(),
+    )

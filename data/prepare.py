@@ -1,0 +1,161 @@
+"""Pre-tokenize a corpus once into memory-mapped token shards, for corpora where tokenizing on
+the fly would cost more than reading.
+
+    python -m data.prepare --out data_bin [--splits train,val,test] [--shard-tokens N] [key=value ...]
+
+writes `data_bin/{split}_{i:05d}.bin` (documents + EOS, concatenated, uint16 when the vocabulary
+fits, else uint32), `data_bin/tokenizer.model` and `data_bin/meta.json`. Train on it with
+`data.sources=[{kind: tokens, path: data_bin}]`: same loader, same resume contract.
+
+A tokens source is cut into blocks of the concatenated split; consumer c of C (rank x worker)
+takes every C-th block of the epoch order, which for `train` is a fresh two-level permutation
+per epoch (chunks of blocks, then blocks within a chunk: a global shuffle in bounded memory).
+Its state is just (epoch, blocks taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from data.config import SPLITS, DataConfig, SourceConfig, check_split
+from data.sources import open_source, text_of
+from data.tokenizer import Tokenizer, _config_from_overrides, get_tokenizer
+
+META = "meta.json"
+CHUNK = 4096  # blocks per chunk of the two-level shuffle
+
+
+def prepare(cfg: DataConfig, out: str | Path, *, splits: tuple[str, ...] = SPLITS,
+            shard_tokens: int = 100_000_000) -> dict:
+    """Tokenize every text source's documents of each split into shards under `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = get_tokenizer(cfg)
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    shutil.copyfile(tok.path, out / "tokenizer.model")
+    meta = {"tokenizer_sha256": tok.sha256, "dtype": np.dtype(dtype).name, "eos_id": tok.eos_id,
+            "vocab_size": tok.vocab_size, "splits": {}}
+    for split in splits:
+        check_split(split)
+        shards, buf, n_buf, docs = [], [], 0, 0
+
+        def flush() -> None:
+            nonlocal buf, n_buf
+            if n_buf:
+                name = f"{split}_{len(shards):05d}.bin"
+                np.concatenate(buf).astype(dtype).tofile(out / name)
+                shards.append({"file": name, "tokens": n_buf})
+                buf, n_buf = [], 0
+
+        for src in cfg.sources:
+            if src.kind == "tokens":
+                raise ValueError(f"source {src.describe()} is already tokenized")
+            for example in open_source(src, split, cfg, seed=cfg.seed):
+                ids = tok.encode(text_of(example, src))
+                ids.append(tok.eos_id)
+                buf.append(np.asarray(ids, dtype=np.int64))
+                n_buf += len(ids)
+                docs += 1
+                if n_buf >= shard_tokens:
+                    flush()
+        flush()
+        meta["splits"][split] = {"shards": shards, "documents": docs}
+    (out / META).write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+class TokenCursor:
+    """Blocks of a prepared split for consumer `index` of `consumers` (see module docstring)."""
+
+    def __init__(self, src: SourceConfig, tokenizer: Tokenizer, *, split: str, seed: int,
+                 index: int, consumers: int, infinite: bool):
+        root = Path(src.path)
+        if not (root / META).is_file():
+            raise FileNotFoundError(f"source {src.describe()}: no {META}; run `python -m data.prepare --out {root}`")
+        meta = json.loads((root / META).read_text())
+        if meta["tokenizer_sha256"] != tokenizer.sha256:
+            raise ValueError(f"source {src.describe()} was tokenized with another tokenizer ({root / 'tokenizer.model'})")
+        if split not in meta["splits"] or not meta["splits"][split]["shards"]:
+            raise ValueError(f"source {src.describe()}: split {split!r} was not prepared or is empty")
+        shards = meta["splits"][split]["shards"]
+        self._maps = [np.memmap(root / s["file"], dtype=meta["dtype"], mode="r") for s in shards]
+        self._starts = np.cumsum([0] + [s["tokens"] for s in shards])
+        self.src, self.seed, self.index, self.consumers, self.infinite = src, seed, index, consumers, infinite
+
+    def reset(self, state: Optional[dict]) -> None:
+        self.epoch, self.k = (state["epoch"], state["k"]) if state else (0, 0)
+        self._n_blocks: Optional[int] = None
+        self._order_epoch = -1
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "k": self.k}
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        """Global token range [start, stop) across shard boundaries."""
+        parts = []
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while start < stop:
+            end = min(stop, int(self._starts[i + 1]))
+            parts.append(self._maps[i][start - self._starts[i] : end - self._starts[i]])
+            start, i = end, i + 1
+        return np.concatenate(parts).astype(np.int64)
+
+    def _block_at(self, p: int) -> int:
+        """Block index at position p of this epoch's order."""
+        if not self.infinite:
+            return p
+        if self._order_epoch != self.epoch:
+            full = self._n_blocks // CHUNK  # full chunks are permuted; the tail chunk stays last
+            self._chunks = np.random.default_rng([self.seed, self.epoch]).permutation(full)
+            self._order_epoch, self._within = self.epoch, {}
+        slot = p // CHUNK
+        chunk = int(self._chunks[slot]) if slot < len(self._chunks) else slot
+        if chunk not in self._within:
+            size = min(CHUNK, self._n_blocks - chunk * CHUNK)
+            self._within = {chunk: np.random.default_rng([self.seed, self.epoch, chunk]).permutation(size)}
+        return chunk * CHUNK + int(self._within[chunk][p % CHUNK])
+
+    def next_block(self, n: int) -> Optional[np.ndarray]:
+        if self._n_blocks is None:
+            self._n_blocks = int(self._starts[-1]) // n
+            if self._n_blocks == 0:
+                raise ValueError(f"source {self.src.describe()}: fewer tokens than one block of {n}")
+        p = self.index + self.k * self.consumers
+        if p >= self._n_blocks:
+            if not self.infinite:
+                return None
+            self.epoch, self.k = self.epoch + 1, 0
+            p = self.index
+            if p >= self._n_blocks:
+                raise RuntimeError(f"source {self.src.describe()}: fewer blocks than ranks x workers")
+        self.k += 1
+        b = self._block_at(p)
+        return self._tokens(b * n, (b + 1) * n)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--splits", default=",".join(SPLITS))
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000)
+    parser.add_argument("overrides", nargs="*", help="DataConfig overrides, e.g. tokenizer.vocab_size=8192")
+    args = parser.parse_args(argv)
+    try:
+        cfg = _config_from_overrides(args.overrides, None)
+        meta = prepare(cfg, args.out, splits=tuple(args.splits.split(",")), shard_tokens=args.shard_tokens)
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")
+    for split, info in meta["splits"].items():
+        tokens = sum(s["tokens"] for s in info["shards"])
+        print(f"{split}: {info['documents']} documents, {tokens} tokens, {len(info['shards'])} shards", file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The packed token stream of one data-parallel rank: a small, explicitly stateful IterableDataset.
+
+    documents (datasets streaming, split by rank and worker)      one cursor per source
+      -> tokenize, EOS after each document, cut into (seq_len + 1)-token blocks (no padding)
+      -> mixture: each block drawn from one source, chosen by weight with a seeded generator
+      -> window shuffle (train): blocks permuted within windows of `shuffle_buffer` blocks
+      -> LongTensor[seq_len + 1], one at a time (the StatefulDataLoader batches them)
+
+Why a hand-written stage on top of `datasets`: packing carries a partial document from one
+block to the next, the mixture and the shuffle hold generator state, and the epoch loop lives
+here; none of that is state the library knows. `datasets` still shards and records the
+document position (`IterableDataset.state_dict`); this class adds the rest, kept small:
+
+- a source cursor's state is (epoch, the `datasets` state *before* the current document, the
+  token offset into that document): resuming re-reads and re-tokenizes one document;
+- the shuffle is a seeded permutation of each window (not a reservoir), so its state is the
+  snapshot at the window start plus a position; resuming rebuilds the window and skips.
+
+The checkpoint therefore stays a few hundred bytes per worker whatever the buffer size, and
+the stream after `load_state_dict` is exactly the stream that would have followed.
+
+Sharding: documents are split by rank with `datasets.distributed.split_dataset_by_node`
+(whole shards when their number divides world_size, else every world_size-th document) and
+by dataloader worker by `datasets` itself (whole shards). Each (rank, worker) packs its own
+documents, so blocks never overlap and together cover every document of the single-process
+stream once per epoch. Pre-tokenized `tokens` sources shard whole blocks instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import numpy as np
+import torch
+from datasets.distributed import split_dataset_by_node
+
+from data.config import DataConfig, SourceConfig
+from data.sources import open_source, text_of
+from data.tokenizer import Tokenizer
+
+STATE_VERSION = 1
+
+
+class Cursor(Protocol):
+    """One source's block stream for one (rank, worker)."""
+
+    def reset(self, state: Optional[dict]) -> None: ...
+
+    def state(self) -> dict: ...
+
+    def next_block(self, n: int) -> Optional[np.ndarray]: ...
+
+
+class TextCursor:
+    """Packs one text source's documents into blocks; epochs repeat for the train split."""
+
+    def __init__(self, src: SourceConfig, cfg: DataConfig, tokenizer: Tokenizer, *, split: str,
+                 rank: int, world_size: int, infinite: bool):
+        self.src, self.cfg, self.tokenizer, self.split = src, cfg, tokenizer, split
+        self.rank, self.world_size, self.infinite = rank, world_size, infinite
+
+    def _open(self, hf_state: Optional[dict]) -> None:
+        ds = open_source(self.src, self.split, self.cfg, seed=self.cfg.seed, epoch=self.epoch)
+        if self.world_size > 1:
+            ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world_size)
+        if hf_state is not None:
+            ds.load_state_dict(hf_state)
+        self._ds, self._it = ds, iter(ds)
+        self._hf_before = self._hf_after = hf_state
+        self._fresh_epoch = hf_state is None
+        self._docs_read = 0
+
+    def reset(self, state: Optional[dict]) -> None:
+        self.epoch = state["epoch"] if state else 0
+        self._doc: Optional[np.ndarray] = None
+        self._offset = 0
+        self._skip = state["offset"] if state else 0
+        self._open(state["hf"] if state else None)
+
+    def state(self) -> dict:
+        """Valid at block boundaries; the partially read document is re-read on resume."""
+        if self._doc is None:  # nothing read since reset: still the loaded position
+            return {"epoch": self.epoch, "hf": self._hf_after, "offset": self._skip}
+        if self._offset < len(self._doc):
+            return {"epoch": self.epoch, "hf": self._hf_before, "offset": self._offset}
+        return {"epoch": self.epoch, "hf": self._hf_after, "offset": 0}
+
+    def _next_doc(self) -> bool:
+        while True:
+            example = next(self._it, None)
+            if example is None:
+                if not self.infinite:
+                    return False
+                if self._fresh_epoch and self._docs_read == 0:
+                    raise RuntimeError(
+                        f"source {self.src.describe()}: no documents for rank {self.rank} in split "
+                        f"{self.split!r} (too few shards for the ranks and dataloader workers?)"
+                    )
+                self.epoch += 1
+                self._open(None)
+                continue
+            self._hf_before, self._hf_after = self._hf_after, self._ds.state_dict()
+            self._docs_read += 1
+            text = text_of(example, self.src)
+            if not text:
+                continue
+            ids = self.tokenizer.encode(text)
+            ids.append(self.tokenizer.eos_id)
+            self._doc = np.asarray(ids, dtype=np.int64)
+            self._offset, self._skip = min(self._skip, len(ids)), 0
+            return True
+
+    def next_block(self, n: int) -> Optional[np.ndarray]:
+        parts, need = [], n
+        while need:
+            if self._doc is None or self._offset >= len(self._doc):
+                if not self._next_doc():
+                    return None  # end of a one-pass split: the partial block is dropped
+            take = min(need, len(self._doc) - self._offset)
+            parts.append(self._doc[self._offset : self._offset + take])
+            self._offset += take
+            need -= take
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class PackedStream(torch.utils.data.IterableDataset):
+    """Blocks of `seq_len + 1` tokens for one rank; `state_dict()` per worker resumes exactly."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int,
+                 rank: int, world_size: int):
+        self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
+        self.seq_len, self.rank, self.world_size = seq_len, rank, world_size
+        self.infinite = split == "train"
+        self.window = cfg.shuffle_buffer if self.infinite and cfg.shuffle_buffer > 1 else 1
+        weights = np.array([s.weight for s in cfg.sources], dtype=np.float64)
+        self.weights = weights / weights.sum()
+        self._state: Optional[dict] = None
+        self._resume: Optional[dict] = None
+
+    # -- identity of this consumer, stored in and checked against the state -----------------
+    def _consumer(self) -> dict:
+        info = torch.utils.data.get_worker_info()
+        return {
+            "version": STATE_VERSION, "split": self.split, "seq_len": self.seq_len,
+            "rank": self.rank, "world_size": self.world_size,
+            "worker": info.id if info else 0, "num_workers": info.num_workers if info else 0,
+            "sources": [s.describe() for s in self.cfg.sources], "seed": self.cfg.seed,
+            "shuffle_buffer": self.window,
+        }
+
+    def state_dict(self) -> dict:
+        return self._state if self._state is not None else {**self._consumer(), "start": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._state = self._resume = state
+
+    def _check(self, state: dict, me: dict) -> None:
+        saved = {k: state.get(k) for k in me}
+        if saved != me:
+            diff = ", ".join(f"{k}: saved {saved[k]!r}, now {me[k]!r}" for k in me if saved[k] != me[k])
+            raise ValueError(f"data loader state does not match this loader ({diff}); resume needs the same data setup")
+
+    # -- iteration ---------------------------------------------------------------------------
+    def _cursors(self) -> list[Cursor]:
+        from data.prepare import TokenCursor  # prepare imports this module's users
+
+        cursors: list[Cursor] = []
+        for src in self.cfg.sources:
+            if src.kind == "tokens":
+                info = torch.utils.data.get_worker_info()
+                consumers = self.world_size * (info.num_workers if info else 1)
+                index = self.rank * (info.num_workers if info else 1) + (info.id if info else 0)
+                cursors.append(TokenCursor(src, self.tokenizer, split=self.split, seed=self.cfg.seed,
+                                           index=index, consumers=consumers, infinite=self.infinite))
+            else:
+                cursors.append(TextCursor(src, self.cfg, self.tokenizer, split=self.split, rank=self.rank,
+                                          world_size=self.world_size, infinite=self.infinite))
+        return cursors
+
+    def __iter__(self):
+        me = self._consumer()
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            self._check(resume, me)
+        start = resume.get("start") if resume else None
+        cursors = self._cursors()
+        rng = np.random.Generator(np.random.PCG64([self.cfg.seed, self.rank, me["worker"]]))
+        alive = [True] * len(cursors)
+        for i, c in enumerate(cursors):
+            c.reset(start["sources"][i] if start else None)
+        if start:
+            rng.bit_generator.state = start["rng"]
+            alive = list(start["alive"])
+        window, pos = (resume["window"], resume["pos"]) if start else (0, 0)
+        n = self.seq_len + 1
+        while True:
+            snap = {"sources": [c.state() for c in cursors], "rng": rng.bit_generator.state, "alive": list(alive)}
+            blocks = []
+            while len(blocks) < self.window and any(alive):
+                live = np.flatnonzero(alive)
+                i = live[0] if len(live) == 1 else rng.choice(live, p=self.weights[live] / self.weights[live].sum())
+                block = cursors[i].next_block(n)
+                if block is None:
+                    alive[i] = False
+                else:
+                    blocks.append(block)
+            self._state = {**me, "start": snap, "window": window, "pos": 0}
+            if not blocks:
+                return
+            order = np.arange(len(blocks))
+            if self.window > 1:
+                order = np.random.default_rng([self.cfg.seed, self.rank, me["worker"], window]).permutation(len(blocks))
+            for k in range(pos, len(blocks)):
+                self._state = {**me, "start": snap, "window": window, "pos": k + 1}
+                yield torch.from_numpy(blocks[order[k]])
+            window, pos = window + 1, 0

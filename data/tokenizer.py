@@ -1,0 +1,233 @@
+"""SentencePiece BPE tokenizer: train on a corpus sample (cached by a hash of the spec) or load.
+
+The model is trained for exact round trips: identity normalization, no dummy prefix, whitespace
+kept, byte fallback (every string encodes, no <unk>). SentencePiece writes spaces as U+2581
+("▁"), so a literal U+2581 in the input is encoded through its byte pieces instead.
+
+    python -m data.tokenizer train [--vocab-size N] [--out FILE] [key=value ...]
+    python -m data.tokenizer encode --model FILE "some text"
+    python -m data.tokenizer decode --model FILE 17 42 7
+    python -m data.tokenizer info --model FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from itertools import islice
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import sentencepiece as spm
+
+from data.config import DataConfig
+from data.sources import open_source, stdlib_fingerprint, text_of
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+_SPACE_PIECE = "\u2581"
+_CACHE_VERSION = 1
+
+
+class Tokenizer:
+    """A loaded SentencePiece model with exact `encode`/`decode`; picklable for dataloader workers."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        self._proto = Path(self.path).read_bytes()
+        self._load()
+
+    def _load(self) -> None:
+        self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        self.vocab_size: int = self._sp.get_piece_size()
+        self.pad_id: int = self._sp.pad_id()
+        self.unk_id: int = self._sp.unk_id()
+        self.bos_id: int = self._sp.bos_id()
+        self.eos_id: int = self._sp.eos_id()
+        space_bytes = [self._sp.piece_to_id(f"<0x{b:02X}>") for b in _SPACE_PIECE.encode()]
+        self._space_ids = space_bytes if self.unk_id not in space_bytes else None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "_proto": self._proto}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._load()
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self._proto).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS/EOS added)."""
+        if _SPACE_PIECE not in text or self._space_ids is None:
+            return self._sp.encode(text)
+        ids: list[int] = []
+        for i, part in enumerate(text.split(_SPACE_PIECE)):
+            if i:
+                ids += self._space_ids
+            ids += self._sp.encode(part)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _cache_key(cfg: DataConfig) -> str:
+    tok = dataclasses.asdict(cfg.tokenizer)
+    tok.pop("model_path")
+    spec = {
+        "version": _CACHE_VERSION,
+        "sources": [dataclasses.asdict(s) for s in cfg.sources],
+        "tokenizer": tok,
+        "splits": [cfg.val_fraction, cfg.test_fraction],
+        "stdlib": stdlib_fingerprint() if any(s.kind == "stdlib" for s in cfg.sources) else None,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sample_documents(cfg: DataConfig) -> Iterator[str]:
+    """The training sample: the first documents of each source's train split, shared by weight."""
+    text_sources = [s for s in cfg.sources if s.kind != "tokens"]
+    total = sum(s.weight for s in text_sources)
+    for src in text_sources:
+        n = max(1, round(cfg.tokenizer.sample_docs * src.weight / total))
+        for example in islice(open_source(src, "train", cfg, seed=0), n):
+            yield text_of(example, src)
+
+
+def _sentences(docs: Iterable[str], max_chars: int = 4096) -> Iterator[str]:
+    """Lines of the documents (SentencePiece trains on sentences); newlines are byte pieces."""
+    for doc in docs:
+        for line in doc.split("\n"):
+            for i in range(0, len(line), max_chars):
+                if line[i : i + max_chars].strip():
+                    yield line[i : i + max_chars]
+
+
+def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
+    """Train a BPE model on `sample_documents(cfg)` and write it to `out` (a .model file)."""
+    tok = cfg.tokenizer
+    names = ", ".join(s.describe() for s in cfg.sources)
+    docs = list(sample_documents(cfg))
+    if not any(d.strip() for d in docs):
+        raise ValueError(f"cannot train a tokenizer: sources {names} gave no text (empty corpus)")
+    proto = tempfile.SpooledTemporaryFile()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_sentences(docs),
+            model_writer=proto,
+            model_type="bpe",
+            vocab_size=tok.vocab_size,
+            character_coverage=tok.character_coverage,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            input_sentence_size=tok.max_sentences,
+            shuffle_input_sentence=True,
+            max_sentence_length=16384,
+            num_threads=min(4, os.cpu_count() or 1),
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        if "Vocabulary size" in str(e) or "vocab_size" in str(e):
+            raise ValueError(
+                f"data.tokenizer.vocab_size={tok.vocab_size} is too large for the corpus sample of "
+                f"sources {names} ({len(docs)} documents): {e}. Lower vocab_size or raise sample_docs."
+            ) from None
+        raise
+    proto.seek(0)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(proto.read())
+    os.replace(tmp, out)  # atomic: concurrent readers see a complete model or none
+    return Tokenizer(out)
+
+
+def get_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """Load `cfg.tokenizer.model_path`, or the cached model for this spec, training it once.
+
+    Concurrent callers (several ranks) serialize on a file lock; the first trains, the rest load.
+    """
+    if cfg.tokenizer.model_path:
+        path = Path(cfg.tokenizer.model_path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.tokenizer.model_path={str(path)!r} does not exist")
+        return Tokenizer(path)
+    if all(s.kind == "tokens" for s in cfg.sources):
+        return Tokenizer(Path(cfg.sources[0].path) / "tokenizer.model")
+    path = cfg.cache_path / "tokenizers" / f"{_cache_key(cfg)}.model"
+    if path.is_file():
+        return Tokenizer(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return Tokenizer(path)
+        return train_tokenizer(cfg, path)
+
+
+def _config_from_overrides(overrides: list[str], vocab_size: Optional[int]) -> DataConfig:
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(overrides))
+    cfg: DataConfig = OmegaConf.to_object(conf)
+    if vocab_size is not None:
+        cfg.tokenizer = dataclasses.replace(cfg.tokenizer, vocab_size=vocab_size)
+    return cfg
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.tokenizer", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train (or reuse from the cache) for a data config")
+    train.add_argument("--vocab-size", type=int)
+    train.add_argument("--out", help="also copy the model to this path")
+    train.add_argument("overrides", nargs="*", help="DataConfig overrides, e.g. tokenizer.sample_docs=200")
+    for name, help_ in (("encode", "text to ids"), ("decode", "ids to text"), ("info", "model facts")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--model", help=".model file (default: the cached one for the default config)")
+        if name == "encode":
+            p.add_argument("text", nargs="?", help="text (default: stdin)")
+        if name == "decode":
+            p.add_argument("ids", nargs="*", type=int, help="ids (default: stdin)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            tok = get_tokenizer(_config_from_overrides(args.overrides, args.vocab_size))
+            if args.out:
+                Path(args.out).write_bytes(Path(tok.path).read_bytes())
+            print(f"{tok.path} vocab_size={tok.vocab_size}")
+            return
+        tok = Tokenizer(args.model) if args.model else get_tokenizer(DataConfig())
+        if args.command == "encode":
+            print(" ".join(map(str, tok.encode(args.text if args.text is not None else sys.stdin.read()))))
+        elif args.command == "decode":
+            ids = args.ids or [int(x) for x in sys.stdin.read().split()]
+            sys.stdout.write(tok.decode(ids))
+        else:
+            print(json.dumps({"path": tok.path, "vocab_size": tok.vocab_size, "pad_id": tok.pad_id,
+                              "unk_id": tok.unk_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+                              "sha256": tok.sha256}, indent=2))
+    except (ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

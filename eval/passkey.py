@@ -58,7 +58,7 @@ class PasskeyCase:
     tokens: list[int]
     answer_start: int
     key_line_start: int
-    filler_tokens: tuple[int, int]
+    filler_tokens: tuple[int, int]  # filler tokens before and after the key line
 
     @property
     def answer(self) -> list[int]:
@@ -74,26 +74,30 @@ def _join(*parts: str) -> str:
     return " ".join(p for p in parts if p)
 
 
-def _case_texts(n_filler: int, depth: float, key: str) -> tuple[str, str, str]:
-    """(text before the key line, prompt, prompt + answer) with n_filler sentences in total."""
+def _case_texts(n_filler: int, depth: float, key: str) -> tuple[str, str, str, str]:
+    """(text before the key line, filler after it, prompt, prompt + answer) with n_filler sentences."""
     n_before = round(depth * n_filler)
     before = _join(INSTRUCTION, filler_text(n_before))
     after = " ".join(FILLER[i % len(FILLER)] for i in range(n_before, n_filler))
     prompt = _join(before, KEY_LINE.format(key=key), after, QUESTION)
-    return before, prompt, f"{prompt} {key}"
+    return before, after, prompt, f"{prompt} {key}"
 
 
-def build_case(tokenizer: TextTokenizer, length: int, depth: float, key: str) -> PasskeyCase:
-    """The case with the most filler whose prompt + key fits in `length` tokens.
+def build_case(
+    tokenizer: TextTokenizer, length: int, depth: float, key: str, prefix: Sequence[int] = ()
+) -> PasskeyCase:
+    """The case with the most filler whose `prefix` + prompt + key fits in `length` tokens.
 
     Adding a filler sentence never shortens the encoding, so the result is within one filler
-    sentence of `length`.
+    sentence of `length`. `prefix` (e.g. the EOS that precedes every document in training) is
+    prepended to the ids.
     """
+    prefix = list(prefix)
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
 
     def n_tokens(n: int) -> int:
-        return len(tokenizer.encode(_case_texts(n, depth, key)[2]))
+        return len(prefix) + len(tokenizer.encode(_case_texts(n, depth, key)[3]))
 
     if n_tokens(0) > length:
         raise ValueError(f"passkey length {length} is shorter than the prompt without filler ({n_tokens(0)} tokens)")
@@ -103,25 +107,24 @@ def build_case(tokenizer: TextTokenizer, length: int, depth: float, key: str) ->
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if n_tokens(mid) <= length else (lo, mid)
-    before, prompt, full = _case_texts(lo, depth, key)
-    tokens = tokenizer.encode(full)
-    prompt_tokens = tokenizer.encode(prompt)
+    before, after, prompt, full = _case_texts(lo, depth, key)
+    tokens = prefix + tokenizer.encode(full)
+    prompt_tokens = prefix + tokenizer.encode(prompt)
     shared = 0
     while shared < min(len(tokens), len(prompt_tokens)) and tokens[shared] == prompt_tokens[shared]:
         shared += 1
     if shared == len(tokens):
         raise ValueError(f"key {key} produced no tokens of its own after the prompt")
-    n_instr = len(tokenizer.encode(INSTRUCTION))
-    key_line_start = len(tokenizer.encode(before))
-    filler_end = key_line_start + len(tokenizer.encode(KEY_LINE.format(key=key)))
+    n_before = len(tokenizer.encode(before)) - len(tokenizer.encode(INSTRUCTION))
+    n_after = len(tokenizer.encode(" " + after)) if after else 0
     return PasskeyCase(
         length=length,
         depth=depth,
         key=key,
         tokens=tokens,
         answer_start=shared,
-        key_line_start=key_line_start,
-        filler_tokens=(key_line_start - n_instr, len(tokenizer.encode(prompt)) - filler_end),
+        key_line_start=len(prefix) + len(tokenizer.encode(before)),
+        filler_tokens=(n_before, n_after),
     )
 
 
@@ -131,6 +134,7 @@ def make_cases(
     n_cases: int,
     seed: int,
     depths: Sequence[float] = (),
+    prefix: Sequence[int] = (),
 ) -> list[PasskeyCase]:
     """`n_cases` seeded cases at `length`: random depths, or `n_cases` per depth of a sweep.
 
@@ -142,7 +146,7 @@ def make_cases(
     for d in plan:
         key = str(rng.randint(10000, 99999))
         depth = rng.random() if d is None else float(d)
-        cases.append(build_case(tokenizer, length, depth, key))
+        cases.append(build_case(tokenizer, length, depth, key, prefix))
     return cases
 
 

@@ -10,6 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogFormatter  # noqa: E402
 
 Series = Mapping[str, tuple[Sequence[int], Sequence[float]]]
 
@@ -31,17 +32,21 @@ def _k(n: int) -> str:
 
 
 def plot_lines(series: Series, path: Path, ylabel: str, title: str, train_len: int | None, log_y: bool) -> Path:
-    """One line per label against length (log2 x-axis); non-finite values are left out."""
+    """One line per label against length (log2 x-axis); non-finite values are x marks on the top edge."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     all_lengths: list[int] = []
     for label, (lengths, values) in series.items():
         pts = [(x, y) for x, y in zip(lengths, values) if np.isfinite(y)]
+        off = [x for x, y in zip(lengths, values) if not np.isfinite(y)]
         all_lengths += list(lengths)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=label)
+        line = ax.plot(*zip(*pts), marker="o", label=label) if pts else ax.plot([], [], label=label)
+        if off:  # inf / nan: an x on the top edge
+            ax.plot(off, [1.0] * len(off), "x", color=line[0].get_color(), transform=ax.get_xaxis_transform(), clip_on=False)
     _length_axis(ax, all_lengths, train_len)
     if log_y:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
@@ -68,7 +73,8 @@ def plot_passkey_depth(grids: Mapping[str, tuple[list[int], list[float], np.ndar
         ax.set_xticks(range(len(lengths)), [_k(x) for x in lengths], rotation=45)
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
         ax.set_xlabel("length (tokens)")
-        ax.set_ylabel("key depth")
+        if ax is axes[0][0]:
+            ax.set_ylabel("key depth")
         ax.set_title(label, fontsize=9)
         for (i, j), v in np.ndenumerate(acc):
             if np.isfinite(v):

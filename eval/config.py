@@ -1,0 +1,202 @@
+"""Typed evaluation configuration: the schema of `conf/eval.yaml` (Hydra type-checks overrides).
+
+Lengths left empty default to multiples of the run's training length (`model.max_seq_len`):
+1x, 2x, 4x ... 64x, the paper's 512 .. 32K at a training length of 512.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from data.config import SourceConfig, check_split
+from model.config import ROPE_SCALINGS, RopeScaling
+
+TASKS = ("ppl", "passkey", "attention")
+TASK_CHOICES = TASKS + ("all",)
+PASSKEY_MODES = ("teacher", "generate")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """A RoPE scaling applied at evaluation; `none` is plain RoPE."""
+
+    type: str
+    factor: float = 1.0
+
+    @property
+    def label(self) -> str:
+        return "none" if self.type == "none" else f"{self.type}:{self.factor:g}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Scaling":
+        """`none`, `dynamic:4`, `linear:2.5` ..."""
+        kind, _, factor = text.partition(":")
+        if kind not in ROPE_SCALINGS:
+            raise ValueError(f"scaling {text!r}: type {kind!r} is not one of {', '.join(ROPE_SCALINGS)}")
+        if kind == "none":
+            return cls("none", 1.0)
+        try:
+            value = float(factor)
+        except ValueError:
+            raise ValueError(f"scaling {text!r}: write type:factor, e.g. dynamic:4") from None
+        if value < 1.0:
+            raise ValueError(f"scaling {text!r}: factor must be >= 1")
+        return cls(kind, value)
+
+
+@dataclass
+class EvalModelConfig:
+    """rope_scaling: the scaling to evaluate with when `scalings` is empty (null: as trained)."""
+
+    rope_scaling: Optional[RopeScaling] = None
+
+
+@dataclass
+class PerplexityConfig:
+    """Sliding-window perplexity (Press et al.).
+
+    lengths: evaluation lengths (window sizes); empty: 1x .. 64x the training length.
+    stride: tokens each window adds (paper: 512 at training length 512); null: the training length;
+      clamped to the length for lengths below it.
+    n_docs: documents of the evaluation split with at least max(lengths) + 1 tokens.
+    batch_tokens: windows are batched up to this many tokens per forward.
+    """
+
+    lengths: list[int] = field(default_factory=list)
+    stride: Optional[int] = None
+    n_docs: int = 10
+    batch_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        _positive_list("ppl.lengths", self.lengths)
+        for name in ("n_docs", "batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ppl.{name}={getattr(self, name)} must be >= 1")
+        if self.stride is not None and self.stride < 1:
+            raise ValueError(f"ppl.stride={self.stride} must be >= 1")
+
+
+@dataclass
+class PasskeyConfig:
+    """Passkey retrieval with the paper's prompt.
+
+    lengths: total prompt + key tokens; empty: 1x .. 64x the training length.
+    n_cases: cases per length (per depth when `depths` is set); the paper uses 100.
+    depths: a depth sweep (fractions of the filler before the key); empty: a random depth per case.
+    modes: teacher (one forward, argmax over the key tokens) and/or generate (greedy decoding).
+    """
+
+    lengths: list[int] = field(default_factory=list)
+    n_cases: int = 20
+    depths: list[float] = field(default_factory=list)
+    modes: list[str] = field(default_factory=lambda: ["teacher"])
+
+    def __post_init__(self) -> None:
+        _positive_list("passkey.lengths", self.lengths)
+        if self.n_cases < 1:
+            raise ValueError(f"passkey.n_cases={self.n_cases} must be >= 1")
+        bad = [d for d in self.depths if not 0.0 <= d <= 1.0]
+        if bad:
+            raise ValueError(f"passkey.depths: {bad[0]} is not in [0, 1]")
+        if not self.modes:
+            raise ValueError(f"passkey.modes is empty: use one or both of {', '.join(PASSKEY_MODES)}")
+        for mode in self.modes:
+            if mode not in PASSKEY_MODES:
+                raise ValueError(f"passkey.modes: {mode!r} is not one of {', '.join(PASSKEY_MODES)}")
+
+
+@dataclass
+class AttentionConfig:
+    """Attention-score statistics on one long segment of the evaluation split (paper Figure 11).
+
+    length: segment length; null: 4x the training length.
+    layers: layers (from 1) whose last-query scores are plotted; empty: 4 evenly spaced, ending
+      with the last (the paper's 6, 12, 18, 24 of 24).
+    scalings: settings compared side by side (paper: without and with dynamic NTK).
+    sigma: a score is an outlier above its query row's mean + sigma x std.
+    window: local mass is the attention probability on the nearest `window` keys.
+    chunk: queries scored at once (memory: chunk x length per head).
+    """
+
+    length: Optional[int] = None
+    layers: list[int] = field(default_factory=list)
+    scalings: list[str] = field(default_factory=lambda: ["none", "dynamic:4"])
+    sigma: float = 6.0
+    window: int = 16
+    chunk: int = 256
+
+    def __post_init__(self) -> None:
+        if self.length is not None and self.length < 2:
+            raise ValueError(f"attention.length={self.length} must be >= 2")
+        _positive_list("attention.layers", self.layers)
+        for s in self.scalings:
+            Scaling.parse(s)
+        if not self.scalings:
+            raise ValueError("attention.scalings is empty: use at least [none]")
+        if self.sigma <= 0 or self.window < 1 or self.chunk < 1:
+            raise ValueError("attention.sigma must be > 0, attention.window and attention.chunk >= 1")
+
+
+@dataclass
+class EvalWandbConfig:
+    """W&B logging of the tables and figures; mode null: the run's own logger mode (or offline)."""
+
+    mode: Optional[str] = None
+    project: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(f"wandb.mode={self.mode!r} is not one of {', '.join(WANDB_MODES)}")
+
+
+@dataclass
+class EvalConfig:
+    """`python -m eval run=<run dir or checkpoint> task=ppl|passkey|attention|all key=value ...`
+
+    run: a training run directory (newest complete checkpoint) or one checkpoint directory.
+    scalings: RoPE scalings swept for ppl and passkey, e.g. [none, dynamic:2, dynamic:4];
+      empty: just `model.rope_scaling` (or the trained setting).
+    sources/split: the evaluation corpus; empty sources: the run's training sources.
+    out_dir: where results go; null: <run>/eval.
+    """
+
+    run: str = ""
+    task: str = "all"
+    device: str = "cpu"
+    seed: int = 0
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)
+    scalings: list[str] = field(default_factory=list)
+    sources: list[SourceConfig] = field(default_factory=list)
+    split: str = "test"
+    out_dir: Optional[str] = None
+    progress: bool = True
+    ppl: PerplexityConfig = field(default_factory=PerplexityConfig)
+    passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    wandb: EvalWandbConfig = field(default_factory=EvalWandbConfig)
+
+    def __post_init__(self) -> None:
+        if not self.run:
+            raise ValueError("run is required: python -m eval run=<run dir or checkpoint dir>")
+        if self.task not in TASK_CHOICES:
+            raise ValueError(f"task={self.task!r} is not one of {', '.join(TASK_CHOICES)}")
+        check_split(self.split)
+        for s in self.scalings:
+            Scaling.parse(s)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return TASKS if self.task == "all" else (self.task,)
+
+
+def _positive_list(name: str, values: list[int]) -> None:
+    bad = [v for v in values if v < 1]
+    if bad:
+        raise ValueError(f"{name}: {bad[0]} must be >= 1")
+
+
+def default_lengths(train_len: int, max_factor: int = 64) -> list[int]:
+    """train_len x 1, 2, 4 ... max_factor."""
+    return [train_len * 2**i for i in range(max_factor.bit_length()) if 2**i <= max_factor]

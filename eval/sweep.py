@@ -1,0 +1,91 @@
+"""The RoPE-scaling sweep: every task run under each scaling on one loaded model.
+
+Scaling is switched in place with `model.set_rope_scaling` (no reload, no retraining) and put back
+to the trained setting afterwards. ALiBi has no RoPE: only `none` applies, other scalings are
+skipped with a note that ends up in the report.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from eval.attention_stats import attention_statistics, last_query_scores
+from eval.config import Scaling
+from eval.passkey import PasskeyCase, score_cases
+from eval.perplexity import evaluate_perplexity
+
+
+def applicable(scalings: Sequence[Scaling], attention: str) -> tuple[list[Scaling], list[str]]:
+    """The scalings that apply to this attention, and notes about the ones skipped."""
+    if attention != "alibi":
+        return list(scalings), []
+    kept = [s for s in scalings if s.type == "none"]
+    skipped = [s.label for s in scalings if s.type != "none"]
+    notes = [f"ALiBi has no RoPE: scaling {', '.join(skipped)} skipped"] if skipped else []
+    if not kept:
+        kept, notes = [Scaling("none")], notes + ["evaluated without scaling instead"]
+    return kept, notes
+
+
+@contextmanager
+def scaled(model, scaling: Scaling, trained: Scaling) -> Iterator[None]:
+    """Evaluate under `scaling`, then restore the trained setting."""
+    model.set_rope_scaling(scaling.type, scaling.factor)
+    try:
+        yield
+    finally:
+        model.set_rope_scaling(trained.type, trained.factor)
+
+
+def sweep_ppl(
+    model, documents, lengths: Sequence[int], stride: int, scalings: Sequence[Scaling], trained: Scaling,
+    batch_tokens: int, progress: bool,
+) -> list[dict]:
+    rows = []
+    for s in scalings:
+        with scaled(model, s, trained):
+            for r in evaluate_perplexity(model, documents, lengths, stride, batch_tokens, progress):
+                rows.append({"scaling": s.label, **r.as_dict()})
+    return rows
+
+
+def sweep_passkey(
+    model, cases: Sequence[PasskeyCase], modes: Sequence[str], scalings: Sequence[Scaling], trained: Scaling,
+    progress: bool,
+) -> list[dict]:
+    records = []
+    for s in scalings:
+        with scaled(model, s, trained):
+            by_length: dict[int, list[PasskeyCase]] = {}
+            for c in cases:
+                by_length.setdefault(c.length, []).append(c)
+            for group in by_length.values():
+                records += [{"scaling": s.label, **r} for r in score_cases(model, group, modes, progress)]
+    return records
+
+
+@torch.inference_mode()
+def sweep_attention(
+    model, ids: Sequence[int], scalings: Sequence[Scaling], trained: Scaling, plot_layers: Sequence[int],
+    sigma: float, window: int, chunk: int,
+) -> tuple[list[dict], dict[str, dict[int, np.ndarray]]]:
+    """Per-layer statistics for each scaling, and the last query's scores for `plot_layers`."""
+    device = next(model.parameters()).device
+    idx = torch.tensor([list(ids)], device=device)
+    rows, profiles = [], {}
+    for s in scalings:
+        with scaled(model, s, trained):
+            layers = model.capture_qk(idx)
+        rows += [{"scaling": s.label, **r} for r in attention_statistics(layers, sigma, window, chunk)]
+        profiles[s.label] = {i: last_query_scores(layers[i - 1]).cpu().numpy() for i in plot_layers}
+        del layers
+    return rows, profiles
+
+
+def default_plot_layers(n_layer: int, n: int = 4) -> list[int]:
+    """n evenly spaced layers ending with the last: 6, 12, 18, 24 of 24."""
+    return sorted({max(1, round(n_layer * (i + 1) / n)) for i in range(n)})

@@ -69,27 +69,30 @@ def coca_tie(t: torch.Tensor, rotary_dims: int) -> torch.Tensor:
     return torch.cat((tied, tied, F.relu(t[..., rotary_dims:])), dim=-1)
 
 
-def origin_qk(q, k, q_rope: RopeTables, k_rope: RopeTables):
-    return apply_rope(q, q_rope), apply_rope(k, k_rope)
+# Each maps q, k (or CoCA's tied t) [B, H, T, D] at the positions of `rope` to (q_eff, k_eff).
 
 
-def coca_slack_qk(q, t, q_rope: RopeTables, k_rope: RopeTables):
+def origin_qk(q, k, rope: RopeTables):
+    return apply_rope(q, rope), apply_rope(k, rope)
+
+
+def coca_slack_qk(q, t, rope: RopeTables):
     """The released code's a(m,n) = sum_d q[d] rope(q,m)[d] rope(t,n)[d], as one dot product."""
-    return q * apply_rope(q, q_rope), apply_rope(t, k_rope)
+    return q * apply_rope(q, rope), apply_rope(t, rope)
 
 
-def coca_strict_qk(q, t, q_rope: RopeTables, k_rope: RopeTables):
+def coca_strict_qk(q, t, rope: RopeTables):
     """Eq. 9, a(m,n) = sum_j t_{n,j} |q_{m,j}|^2 cos((m-n) theta_j), as one dot product.
 
     Pair j of q_eff holds (|q_j|^2, 0) rotated by m and pair j of k_eff holds (t_j, 0) rotated by n,
     so their dot product is |q_j|^2 t_j cos((m - n) theta_j): purely relative.
     """
-    half = q_rope[0].shape[-1] // 2
+    half = rope[0].shape[-1] // 2
     r = 2 * half
     sq = q[..., :half] ** 2 + q[..., half:r] ** 2
-    q_eff = apply_rope(torch.cat((sq, torch.zeros_like(sq), q[..., r:] ** 2), dim=-1), q_rope)
+    q_eff = apply_rope(torch.cat((sq, torch.zeros_like(sq), q[..., r:] ** 2), dim=-1), rope)
     th = t[..., :half]
-    k_eff = apply_rope(torch.cat((th, torch.zeros_like(th), t[..., r:]), dim=-1), k_rope)
+    k_eff = apply_rope(torch.cat((th, torch.zeros_like(th), t[..., r:]), dim=-1), rope)
     return q_eff, k_eff
 
 
@@ -186,9 +189,7 @@ def _flex_alibi(q, k, v) -> torch.Tensor:
 
 
 class LayerCache:
-    """One layer's KV cache. Keys are stored before rotation (k, or CoCA's tied t) so that every
-    step rotates them for the current length: dynamic NTK changes the base, and so the rotation of
-    every cached key, as the length grows; rotating L keys costs about as much as reading them."""
+    """One layer's KV cache: k_eff (Origin: rope(k); CoCA: rope(t), or Strict's k_eff) and v."""
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
@@ -227,16 +228,15 @@ class CausalSelfAttention(nn.Module):
         cache: LayerCache | None = None,
         capture: list[AttentionInputs] | None = None,
     ) -> torch.Tensor:
-        """x [B, T, C]; rope: cos/sin for every key position (cache + new), queries use the last T."""
+        """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
         if self.attention == "coca":
             k = coca_tie(k, self.rotary_dims)
+        if self.qk is not None:
+            q, k = self.qk(q, k, rope)
         if cache is not None:
             k, v = cache.append(k, v)
-        if self.qk is not None:
-            cos, sin = rope
-            q, k = self.qk(q, k, (cos[-T:], sin[-T:]), rope)
         alibi = self.attention == "alibi"
         if capture is not None:
             capture.append(AttentionInputs(q, k, _slopes(self.n_head, str(x.device)) if alibi else None))

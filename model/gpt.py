@@ -50,14 +50,28 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Per-layer caches for `GPT.forward(idx, cache=...)`: feed the prompt, then one token at a time."""
+    """Per-layer caches for `GPT.forward(idx, cache=...)`: feed the prompt, then one token at a time.
+
+    The token ids are kept too: under dynamic NTK every new length beyond the training length has a
+    new RoPE base, which changes the hidden states of *all* earlier tokens in every layer above the
+    first, so no incremental cache can match a full forward there; the model then rebuilds the
+    cache from the tokens (a full forward), which is what "the length actually processed" means.
+    """
 
     def __init__(self, n_layer: int):
-        self.layers = [LayerCache() for _ in range(n_layer)]
+        self.n_layer = n_layer
+        self.clear()
+
+    def clear(self) -> None:
+        self.layers = [LayerCache() for _ in range(self.n_layer)]
+        self.tokens: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
-        return self.layers[0].length
+        return 0 if self.tokens is None else self.tokens.shape[1]
+
+    def record(self, idx: torch.Tensor) -> None:
+        self.tokens = idx if self.tokens is None else torch.cat((self.tokens, idx), dim=1)
 
 
 class GPT(nn.Module):
@@ -91,12 +105,20 @@ class GPT(nn.Module):
         """Final (ln_f) hidden states [B, T, C]. With a cache, idx continues the cached tokens."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
-        past = cache.length if cache is not None else 0
-        length = past + idx.shape[1]
+        T = idx.shape[1]
+        past = 0
+        if cache is not None:
+            past = cache.length
+            if past and self.rope is not None and self.rope.base_at(past) != self.rope.base_at(past + T):
+                tokens = torch.cat((cache.tokens, idx), dim=1)  # dynamic NTK: every layer is stale
+                cache.clear()
+                return self.hidden_states(tokens, cache, capture)[:, -T:]
+            cache.record(idx)
+        length = past + T
         x = self.wte(idx)
         rope = None
         if self.rope is not None:
-            positions = torch.arange(length, device=idx.device)
+            positions = torch.arange(past, length, device=idx.device)
             rope = self.rope.tables(positions, length, x.dtype)
         remat = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.h):
@@ -119,7 +141,7 @@ class GPT(nn.Module):
 
     def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy [B, T] in float32 (0 where the target is -100)."""
-        return self._chunked_cross_entropy(self.hidden_states(idx), targets).view(targets.shape)
+        return self._chunked_cross_entropy(self.hidden_states(idx), targets).view(targets.shape).float()
 
     def _chunked_cross_entropy(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross entropy over the LM head a chunk of tokens at a time; no [B, T, V] tensor is kept
@@ -136,7 +158,9 @@ class GPT(nn.Module):
         return torch.cat(out)
 
     def _ce(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.lm_head(h).float(), targets, ignore_index=-100, reduction="none")
+        logits = self.lm_head(h)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 -> fp32
+        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
 
     # ---- inference tools -------------------------------------------------------------------------
 

@@ -26,7 +26,8 @@ class Rope:
         self.train_len = train_len
         self.scaling = scaling
 
-    def _base(self, seq_len: int) -> float:
+    def base_at(self, seq_len: int) -> float:
+        """The RoPE base used when `seq_len` tokens are processed (only dynamic NTK varies)."""
         r, s = self.rotary_dims, self.scaling
         if s.type == "ntk":
             return self.base * s.factor ** (r / (r - 2))
@@ -37,7 +38,7 @@ class Rope:
     def inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
         """Per-pair angular frequencies [r/2] (float64) and the factor cos/sin are scaled by."""
         r, s = self.rotary_dims, self.scaling
-        inv = self._base(seq_len) ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+        inv = self.base_at(seq_len) ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
         if s.type == "linear":
             return inv / s.factor, 1.0
         if s.type == "yarn":

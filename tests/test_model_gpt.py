@@ -1,0 +1,207 @@
+"""The whole model: causality, KV-cache decoding, chunked loss, generation, capture_qk, RoPE scalings."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.gpt as gpt_module
+from model import GPT, KVCache, ModelConfig, RopeScaling
+from model.rope import Rope
+
+VARIANTS = [("origin", "slack"), ("alibi", "slack"), ("coca", "slack"), ("coca", "strict")]
+IDS = ["origin", "alibi", "coca-slack", "coca-strict"]
+
+
+@pytest.fixture(autouse=True)
+def single_thread():  # tiny ops: thread start-up costs more than it saves on a shared CPU
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small(attention="origin", coca_form="slack", **overrides) -> GPT:
+    cfg = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, ffn_hidden=32, max_seq_len=8)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**{**cfg, **overrides}, attention=attention, coca_form=coca_form)).double()
+    for p in model.parameters():  # larger weights than init_std so that attention is far from uniform
+        torch.nn.init.normal_(p, std=0.3)
+    return model.eval()
+
+
+def tokens(b: int, t: int, seed: int = 0, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
+def test_causality(attention, form):
+    model = small(attention, form)
+    idx = tokens(2, 20)
+    changed = idx.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 64
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12], rtol=0, atol=1e-12)
+    assert (a[:, 12:] - b[:, 12:]).abs().amax(dim=-1).min() > 1e-6  # every later position sees it
+
+
+@pytest.mark.parametrize(
+    "attention, form, scaling",
+    [(a, f, s) for a, f in VARIANTS for s in ("none", "dynamic") if a != "alibi" or s == "none"],
+)
+def test_kv_cache_matches_full_forward(attention, form, scaling):
+    """Prompt of 3, a chunk of 4 (queries offset into the cache), then single tokens past 3x L0."""
+    model = small(attention, form, rope_scaling=RopeScaling(scaling, 4.0))
+    idx = tokens(2, 26, seed=1)
+    cache = KVCache(model.cfg.n_layer)
+    steps = [(0, 3), (3, 7)] + [(t, t + 1) for t in range(7, 26)]
+    with torch.no_grad():
+        for start, end in steps:
+            got = model(idx[:, start:end], cache=cache)
+            want = model(idx[:, :end])[:, start:end]
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert cache.length == 26
+
+
+def test_dynamic_ntk_changes_only_beyond_training_length():
+    plain, dynamic = small(), small(rope_scaling=RopeScaling("dynamic", 4.0))
+    idx = tokens(1, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(idx[:, :8]), dynamic(idx[:, :8]), rtol=0, atol=0)
+        assert (plain(idx) - dynamic(idx)).abs().max() > 1e-3
+        # a later call at 8 tokens uses the plain base again: nothing leaks from the longer call
+        torch.testing.assert_close(dynamic(idx[:, :8]), plain(idx[:, :8]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
+def test_loss_and_token_losses_match_full_logits(attention, form, monkeypatch):
+    monkeypatch.setattr(gpt_module, "LOSS_CHUNK_ELEMENTS", 64 * 7)  # 7 tokens per chunk: 3 chunks
+    model = small(attention, form).train()
+    idx, targets = tokens(2, 10, seed=2), tokens(2, 10, seed=3)
+    targets[0, 3] = targets[1, 0] = -100
+    loss = model(idx, targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    logits = model(idx)
+    want = F.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1), ignore_index=-100)
+    want_grads = torch.autograd.grad(want, list(model.parameters()))
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        per_token = model.token_losses(idx, targets)
+    assert per_token.dtype == torch.float32 and per_token.shape == (2, 10)
+    assert per_token[0, 3] == 0 and per_token[1, 0] == 0
+    want_tokens = F.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1), ignore_index=-100, reduction="none")
+    torch.testing.assert_close(per_token, want_tokens.view(2, 10).float())
+
+
+@pytest.mark.parametrize("attention", ["origin", "alibi", "coca"])
+def test_activation_checkpointing_gives_the_same_gradients(attention):
+    idx, targets = tokens(2, 9, seed=4), tokens(2, 9, seed=5)
+    grads = []
+    for remat in (False, True):
+        model = small(attention, activation_checkpointing=remat).train()
+        grads.append(torch.autograd.grad(model(idx, targets), list(model.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
+def test_capture_qk_gives_the_layer_scores(attention, form):
+    """Scores from capture_qk by the documented formula reproduce the layer's attention output."""
+    model = small(attention, form)
+    seen = {}
+    model.h[1].attn.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], out=out))
+    idx = tokens(1, 12, seed=6)
+    captured = model.capture_qk(idx)
+    assert len(captured) == model.cfg.n_layer
+    q_eff, k_eff, slopes = captured[1]
+    assert (slopes is None) == (attention != "alibi") and q_eff.shape == (1, 2, 12, 8)
+    m = torch.arange(12)
+    scores = q_eff @ k_eff.transpose(-1, -2) / math.sqrt(8)
+    if slopes is not None:
+        scores = scores - slopes.double()[:, None, None] * (m[:, None] - m[None, :])
+    scores = scores.masked_fill(m[:, None] < m[None, :], float("-inf"))
+    attn = model.h[1].attn
+    v = attn.qkv(seen["x"]).view(1, 12, 2, 3, 8)[:, :, :, 2].transpose(1, 2)
+    y = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(1, 12, 16)
+    torch.testing.assert_close(attn.proj(y), seen["out"], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
+def test_greedy_generate_follows_full_forward_argmax(attention, form):
+    model = small(attention, form, rope_scaling=RopeScaling("dynamic" if attention != "alibi" else "none", 2.0))
+    idx = tokens(2, 5, seed=7)
+    out = model.generate(idx, max_new_tokens=10, greedy=True)
+    want = idx
+    with torch.no_grad():
+        for _ in range(10):
+            want = torch.cat((want, model(want)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(out, want)
+    torch.manual_seed(0)
+    assert torch.equal(model.generate(idx, max_new_tokens=10, top_k=1, temperature=0.7), want)
+
+
+def test_sampling_respects_top_k_and_checks_arguments():
+    model = small()
+    idx = tokens(1, 4)
+    with torch.no_grad():
+        allowed = set(model(idx)[0, -1].topk(3).indices.tolist())
+    torch.manual_seed(1)
+    drawn = {model.generate(idx, 1, temperature=5.0, top_k=3)[0, -1].item() for _ in range(40)}
+    assert drawn <= allowed and len(drawn) > 1
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(idx, 2, temperature=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(idx, 2, top_k=0)
+
+
+# ---- RoPE scalings -------------------------------------------------------------------------------
+
+
+def hf_inv_freq(kind: str, r_pct: float, factor: float, seq_len: int | None = None):
+    from transformers import GPTNeoXConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(rope_type=kind, factor=factor, rope_theta=10000.0, partial_rotary_factor=r_pct)
+    if kind == "yarn":
+        params["original_max_position_embeddings"] = 128
+    cfg = GPTNeoXConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=128, rope_parameters=params)
+    kwargs = {"seq_len": seq_len} if seq_len is not None else {}
+    return ROPE_INIT_FUNCTIONS[kind](cfg, "cpu", **kwargs)
+
+
+@pytest.mark.parametrize("kind, seq_len", [("linear", None), ("dynamic", 100), ("dynamic", 1000), ("yarn", None)])
+@pytest.mark.parametrize("r_pct", [1.0, 0.5])
+def test_rope_scalings_match_hugging_face(kind, seq_len, r_pct):
+    rope = Rope(int(64 * r_pct), 10000.0, 128, RopeScaling(kind, 4.0))
+    inv, scale = rope.inv_freq(seq_len or 128)
+    hf_inv, hf_scale = hf_inv_freq(kind, r_pct, 4.0, seq_len)
+    torch.testing.assert_close(inv.float(), hf_inv, rtol=1e-6, atol=0)
+    assert scale == pytest.approx(hf_scale)
+
+
+def test_static_ntk_and_linear_positions():
+    r = 32
+    ntk = Rope(r, 10000.0, 128, RopeScaling("ntk", 4.0)).inv_freq(10)[0]
+    base = 10000.0 * 4.0 ** (r / (r - 2))
+    torch.testing.assert_close(ntk, base ** (-torch.arange(0, r, 2, dtype=torch.float64) / r))
+    # linear (PI): position p under factor s is position p / s unscaled
+    lin = Rope(r, 10000.0, 128, RopeScaling("linear", 4.0)).tables(torch.tensor([40, 400]), 500, torch.float64)
+    plain = Rope(r, 10000.0, 128, RopeScaling()).tables(torch.tensor([10.0, 100.0]), 500, torch.float64)
+    torch.testing.assert_close(lin, plain)
+
+
+def test_set_rope_scaling_changes_long_logits_only():
+    model = small()
+    idx = tokens(1, 24)
+    with torch.no_grad():
+        before = model(idx)
+        model.set_rope_scaling("dynamic", 4.0)
+        after = model(idx)
+        model.set_rope_scaling("none", 1.0)
+        torch.testing.assert_close(model(idx), before, rtol=0, atol=0)
+    torch.testing.assert_close(after[:, :1], before[:, :1])  # position 0 is never rotated
+    assert (after - before).abs().max() > 1e-3

@@ -131,18 +131,12 @@ def open_source(src: SourceConfig, split: str, cfg: DataConfig, *, seed: int, ep
         ds = datasets.load_dataset(src.name, src.subset, split=hub_split, streaming=True)
     else:
         raise ValueError(f"source {src.describe()}: kind {src.kind!r} holds tokens, not text")
-    if src.text_field != "text":
-        ds = ds.rename_column(src.text_field, "text") if _has_column(ds, src.text_field) else ds
-    return ds.select_columns(["text"]) if _has_column(ds, "text") else ds
-
-
-def _has_column(ds: datasets.IterableDataset, name: str) -> bool:
-    return ds.features is None or name in ds.features
+    return ds  # the text field is read by `text_of`: no .map() stage (see datasets#8145)
 
 
 def text_of(example: dict, src: SourceConfig) -> str:
     """The document text of an example, or a clear error naming the source and the fields."""
-    text = example.get("text")
+    text = example.get(src.text_field)
     if not isinstance(text, str):
         fields = ", ".join(k for k in example) or "none"
         raise ValueError(

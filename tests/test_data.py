@@ -305,6 +305,18 @@ def test_resume_three_times_single_process(tok, corpus):
     _assert_same(_resumed(make, [7, 43, 71], 100), ref)
 
 
+def test_resume_inside_files_of_many_records(tok, tmp_path):
+    """Arrow-backed json reading: resuming mid-file must not skip a read chunk (datasets#8145)."""
+    (tmp_path / "train").mkdir()
+    for f in range(2):
+        lines = [json.dumps({"body": f"record {f}-{i}", "id": i}) for i in range(3000)]
+        (tmp_path / "train" / f"{f}.jsonl").write_text("\n".join(lines))
+    cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "{split}" / "*.jsonl"), text_field="body")],
+                     num_workers=0, shuffle_buffer=0)
+    make = lambda: build_loader(cfg, tok, split="train", seq_len=63, batch_size=4)
+    _assert_same(_resumed(make, [40, 95, 170], 260), _take(make(), 260))
+
+
 def test_train_stream_shuffles_and_reorders_epochs(tok, corpus):
     root, _ = corpus
     plain = torch.cat(_take(build_loader(_cfg(root), tok, split="train", seq_len=15, batch_size=5), 40))

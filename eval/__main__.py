@@ -12,27 +12,158 @@ import datetime
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.config import DataConfig
 from data.documents import long_documents
+from data.tokenizer import Tokenizer
 from eval import report
 from eval.config import EvalConfig, Scaling, default_lengths
 from eval.passkey import make_cases
 from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_passkey, sweep_ppl
 from eval.wandb_log import log_to_wandb
-
-ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
-
+from model import GPT
+from train.checkpoint import CheckpointError, find_checkpoint
+from train.config import CONF_DIR, TrainConfig
+from train.export import load_model
 
 class EvalError(Exception):
     """A problem with the user's input, reported as one line."""
+
+
+@dataclass
+class Session:
+    """One loaded run and what every task needs from it."""
+
+    cfg: EvalConfig
+    model: GPT
+    train_cfg: TrainConfig
+    tokenizer: Tokenizer
+    data: DataConfig
+    trained: Scaling
+    out: Path
+    meta: dict
+
+    @property
+    def train_len(self) -> int:
+        return self.train_cfg.model.max_seq_len
+
+    @property
+    def prefix(self) -> list[int]:
+        """Training streams put EOS before every document: evaluation inputs start the same way."""
+        return [self.tokenizer.eos_id]
+
+    def documents(self, n_tokens: int, n_docs: int) -> list[list[int]]:
+        """`n_docs` evaluation documents of exactly `n_tokens` ids, the EOS prefix first."""
+        try:
+            docs = long_documents(self.data, self.tokenizer, min_tokens=n_tokens - 1, n_docs=n_docs,
+                                  split=self.cfg.split, seed=self.cfg.seed)
+        except ValueError as e:
+            raise EvalError(str(e)) from None
+        return [self.prefix + d for d in docs]
+
+    def scalings(self) -> tuple[list[Scaling], list[str]]:
+        """The sweep for ppl and passkey: `scalings`, else `model.rope_scaling`, else as trained."""
+        requested = [Scaling.parse(s) for s in self.cfg.scalings]
+        if not requested:
+            rs = self.cfg.model.rope_scaling
+            requested = [Scaling(rs.type, rs.factor) if rs is not None else self.trained]
+        return applicable(requested, self.train_cfg.model.attention)
+
+
+def open_session(cfg: EvalConfig) -> Session:
+    run = Path(cfg.run)
+    if not run.exists():
+        raise EvalError(f"run or checkpoint not found: {run}")
+    ckpt = find_checkpoint(run)
+    model, train_cfg, tokenizer = load_model(str(ckpt), device=cfg.device)
+    m = train_cfg.model
+    data = dataclasses.replace(train_cfg.data, sources=list(cfg.sources) or train_cfg.data.sources)
+    trained = Scaling(m.rope_scaling.type, m.rope_scaling.factor)
+    meta = {
+        "run": str(run),
+        "label": m.attention if m.attention != "coca" else f"coca-{m.coca_form}",
+        "attention": m.attention,
+        "coca_form": m.coca_form if m.attention == "coca" else None,
+        "train_len": m.max_seq_len,
+        "n_layer": m.n_layer,
+        "n_embd": m.n_embd,
+        "trained_scaling": trained.label,
+        "checkpoint": str(ckpt),
+        "step": _step_of(ckpt),
+        "source": ", ".join(s.describe() for s in data.sources) + f" ({cfg.split})",
+        "device": cfg.device,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    out = Path(cfg.out_dir) if cfg.out_dir else run_dir_of(run) / "eval"
+    return Session(cfg, model, train_cfg, tokenizer, data, trained, out, meta)
+
+
+def run_ppl(s: Session) -> dict:
+    c = s.cfg.ppl
+    lengths = c.lengths or default_lengths(s.train_len)
+    scalings, notes = s.scalings()
+    docs = s.documents(max(lengths) + 1, c.n_docs)
+    rows = sweep_ppl(s.model, docs, lengths, c.stride or s.train_len, scalings, s.trained, c.batch_tokens, s.cfg.progress)
+    return {"rows": rows, "notes": notes}
+
+
+def run_passkey(s: Session) -> dict:
+    """Lengths given explicitly must all fit the prompt; default ones too short are skipped."""
+    c = s.cfg.passkey
+    scalings, notes = s.scalings()
+    cases = []
+    for length in c.lengths or default_lengths(s.train_len):
+        try:
+            cases += make_cases(s.tokenizer, length, c.n_cases, s.cfg.seed, c.depths, s.prefix)
+        except ValueError as e:
+            if c.lengths:
+                raise EvalError(str(e)) from None
+            notes.append(f"length {length} skipped: {e}")
+    if not cases:
+        raise EvalError("no passkey length fits the prompt: " + "; ".join(notes))
+    records = sweep_passkey(s.model, cases, c.modes, scalings, s.trained, s.cfg.progress)
+    return {"cases": records, "modes": list(c.modes), "notes": notes}
+
+
+def run_attention(s: Session) -> dict:
+    c, n_layer = s.cfg.attention, s.train_cfg.model.n_layer
+    length = c.length or 4 * s.train_len
+    layers = c.layers or default_plot_layers(n_layer)
+    if max(layers) > n_layer:
+        raise EvalError(f"attention.layers: layer {max(layers)} > model.n_layer={n_layer}")
+    scalings, notes = applicable([Scaling.parse(x) for x in c.scalings], s.train_cfg.model.attention)
+    (segment,) = s.documents(length, 1)
+    rows, profiles = sweep_attention(s.model, segment, scalings, s.trained, layers, c.sigma, c.window, c.chunk)
+    s.out.mkdir(parents=True, exist_ok=True)
+    report.save_profiles(s.out / report.PROFILES_FILE, profiles)
+    return {"rows": rows, "length": length, "sigma": c.sigma, "window": c.window, "layers": layers, "notes": notes}
+
+
+TASK_RUNNERS = {"ppl": run_ppl, "passkey": run_passkey, "attention": run_attention}
+
+
+def evaluate(cfg: EvalConfig) -> dict[str, list[Path]]:
+    """Run the configured tasks and write results; returns the files written, by task."""
+    session = open_session(cfg)
+    for task in cfg.tasks:
+        start = time.perf_counter()
+        payload = {"meta": session.meta, **TASK_RUNNERS[task](session)}
+        payload["seconds"] = round(time.perf_counter() - start, 2)
+        payload["peak_rss_mb"] = round(peak_rss_mb(), 1)
+        report.save_json(session.out / f"{task}.json", payload)
+    written = report.render(report.run_results(session.out), session.out)
+    log_to_wandb(cfg, session.train_cfg, run_dir_of(Path(cfg.run)), session.out, written)
+    return written
 
 
 def run_dir_of(path: Path) -> Path:
@@ -40,90 +171,10 @@ def run_dir_of(path: Path) -> Path:
     return path.parent.parent if path.parent.name == "checkpoints" else path
 
 
-def evaluate(cfg: EvalConfig) -> dict[str, list[Path]]:
-    """Run the configured tasks and write results; returns the files written, by task."""
-    from train.export import load_model
-
-    run = Path(cfg.run)
-    if not run.exists():
-        raise EvalError(f"run or checkpoint not found: {run}")
-    model, train_cfg, tokenizer = load_model(str(run), device=cfg.device)
-    mcfg = train_cfg.model
-    train_len = mcfg.max_seq_len
-    trained = Scaling(mcfg.rope_scaling.type, mcfg.rope_scaling.factor)
-    requested = [Scaling.parse(s) for s in cfg.scalings]
-    if not requested:
-        rs = cfg.model.rope_scaling
-        requested = [Scaling(rs.type, rs.factor) if rs is not None else trained]
-    scalings, notes = applicable(requested, mcfg.attention)
-    data_cfg: DataConfig = dataclasses.replace(train_cfg.data, sources=list(cfg.sources) or train_cfg.data.sources)
-    out = Path(cfg.out_dir) if cfg.out_dir else run_dir_of(run) / "eval"
-    label = mcfg.attention if mcfg.attention != "coca" else f"coca-{mcfg.coca_form}"
-    meta = {
-        "run": str(run),
-        "label": label,
-        "attention": mcfg.attention,
-        "coca_form": mcfg.coca_form if mcfg.attention == "coca" else None,
-        "train_len": train_len,
-        "n_layer": mcfg.n_layer,
-        "n_embd": mcfg.n_embd,
-        "trained_scaling": trained.label,
-        "step": _step_of(run),
-        "source": ", ".join(s.describe() for s in data_cfg.sources) + f" ({cfg.split})",
-        "device": cfg.device,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-    prefix = [tokenizer.eos_id]  # training streams put EOS before every document
-
-    def documents(n_tokens: int, n_docs: int) -> list[list[int]]:
-        """`n_docs` documents of exactly `n_tokens` ids, starting with the EOS prefix."""
-        try:
-            docs = long_documents(data_cfg, tokenizer, min_tokens=n_tokens - 1, n_docs=n_docs, split=cfg.split, seed=cfg.seed)
-        except ValueError as e:
-            raise EvalError(str(e)) from None
-        return [prefix + d for d in docs]
-
-    for task in cfg.tasks:
-        start = time.perf_counter()
-        if task == "ppl":
-            lengths = cfg.ppl.lengths or default_lengths(train_len)
-            docs = documents(max(lengths) + 1, cfg.ppl.n_docs)
-            rows = sweep_ppl(model, docs, lengths, cfg.ppl.stride or train_len, scalings, trained, cfg.ppl.batch_tokens, cfg.progress)
-            payload = {"meta": meta, "rows": rows, "notes": notes}
-        elif task == "passkey":
-            lengths = cfg.passkey.lengths or default_lengths(train_len)
-            try:
-                cases = [c for L in lengths for c in make_cases(tokenizer, L, cfg.passkey.n_cases, cfg.seed, cfg.passkey.depths, prefix)]
-            except ValueError as e:
-                raise EvalError(str(e)) from None
-            records = sweep_passkey(model, cases, cfg.passkey.modes, scalings, trained, cfg.progress)
-            payload = {"meta": meta, "cases": records, "modes": list(cfg.passkey.modes), "notes": notes}
-        else:
-            a = cfg.attention
-            length = a.length or 4 * train_len
-            plot_layers = a.layers or default_plot_layers(mcfg.n_layer)
-            if max(plot_layers) > mcfg.n_layer:
-                raise EvalError(f"attention.layers: layer {max(plot_layers)} > model.n_layer={mcfg.n_layer}")
-            att_scalings, att_notes = applicable([Scaling.parse(s) for s in a.scalings], mcfg.attention)
-            (segment,) = documents(length, 1)
-            rows, profiles = sweep_attention(model, segment, att_scalings, trained, plot_layers, a.sigma, a.window, a.chunk)
-            out.mkdir(parents=True, exist_ok=True)
-            report.save_profiles(out / report.PROFILES_FILE, profiles)
-            payload = {"meta": meta, "rows": rows, "length": length, "sigma": a.sigma, "window": a.window,
-                       "layers": plot_layers, "notes": att_notes}
-        payload["seconds"] = round(time.perf_counter() - start, 2)
-        payload["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        report.save_json(out / f"{task}.json", payload)
-    written = report.render(report.run_results(out), out)
-    log_to_wandb(cfg, train_cfg, run_dir_of(run), out, written)
-    return written
-
-
 def _step_of(run: Path) -> int | None:
     """The step in a checkpoint directory's name (`step_00001000`), when `run` is one."""
     name = run.name
-    return int(name.split("_", 1)[1]) if name.startswith("step_") and name[5:].isdigit() else None
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
 def peak_rss_mb() -> float:
@@ -131,24 +182,53 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
-def main(dcfg: DictConfig) -> None:
+USAGE = """usage: python -m eval run=<run dir or checkpoint> [task=ppl|passkey|attention|all] [key=value ...]
+  e.g.  python -m eval run=runs/tiny task=ppl ppl.lengths=[128,512,2048] ppl.n_docs=5
+        python -m eval run=runs/tiny scalings=[none,dynamic:2,dynamic:4,dynamic:8]
+        python -m eval run=runs/tiny task=passkey model.rope_scaling.type=dynamic model.rope_scaling.factor=4
+  keys: conf/eval.yaml (schema eval/config.py); --cfg job prints the composed config"""
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """`conf/eval.yaml` with command-line overrides, type-checked against `EvalConfig`."""
+    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="eval"):
+        return hydra_compose(config_name="eval", overrides=overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(args):
+        print(USAGE)
+        return 0
+    show = "--cfg" in args
+    overrides = [a for a in args if a not in ("--cfg", "job")]
     try:
+        dcfg = compose_config(overrides)
+        if show:
+            print(OmegaConf.to_yaml(dcfg))
+            return 0
         cfg: EvalConfig = OmegaConf.to_object(dcfg)
         torch.manual_seed(cfg.seed)
         written = evaluate(cfg)
-    except (EvalError, ValueError, FileNotFoundError, OmegaConfBaseException) as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        sys.exit(2)
+    except (EvalError, CheckpointError, HydraException, OmegaConfBaseException, ValueError, FileNotFoundError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
     for task, paths in written.items():
         print(f"{task}: " + ", ".join(str(p) for p in paths))
+    return 0
 
 
-def _one_line(e: Exception) -> str:
-    """OmegaConf wraps a __post_init__ ValueError with full-key context lines: keep the cause."""
-    cause = e.__cause__ if isinstance(e, OmegaConfBaseException) and e.__cause__ else e
-    return str(cause).strip().splitlines()[0]
+def one_line(error: BaseException) -> str:
+    """The first line of the root cause (Hydra and OmegaConf wrap errors and append hints)."""
+    cause = error
+    while cause.__cause__ is not None and isinstance(cause, (HydraException, OmegaConfBaseException)):
+        cause = cause.__cause__
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    message = lines[0] if lines else type(cause).__name__
+    key = getattr(cause, "full_key", None)
+    return f"{key}: {message}" if key and key not in message else message
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,7 +15,7 @@ from model.config import ROPE_SCALINGS, RopeScaling
 TASKS = ("ppl", "passkey", "attention")
 TASK_CHOICES = TASKS + ("all",)
 PASSKEY_MODES = ("teacher", "generate")
-WANDB_MODES = ("offline", "online", "disabled")
+WANDB_MODES = ("auto", "offline", "online", "disabled")
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,8 @@ class AttentionConfig:
 
 @dataclass
 class EvalWandbConfig:
-    """W&B logging of the tables and figures; mode null: the run's own logger mode (or offline)."""
+    """W&B logging of the tables and figures; mode null: the run's logger mode (auto: online with
+    credentials, else offline)."""
 
     mode: Optional[str] = None
     project: Optional[str] = None

@@ -1,0 +1,143 @@
+"""`python -m eval` and `python -m eval.report` on a tiny checkpoint trained here by `python -m train`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data.documents import long_documents
+from eval import report
+from eval.__main__ import main
+from train.export import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+L0 = 32  # the micro experiment's training length
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("eval_run") / "micro"
+    cmd = [sys.executable, "-m", "train", "experiment=micro", "logger=none", f"run_dir={run_dir}",
+           "max_steps=20", "ckpt_every=20", "eval_every=20", "logger.progress=false",
+           f"data.cache_dir={tmp_path_factory.getbasetemp() / 'eval_tokenizer'}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def evaluate(run: Path, out: Path, *overrides: str) -> dict:
+    code = main([f"run={run}", f"out_dir={out}", "progress=false", "wandb.mode=disabled", *overrides])
+    assert code == 0
+    return report.load_results(out)
+
+
+def independent_ppl(run: Path, length: int, n_docs: int, total: int) -> float:
+    """exp(mean token loss) of non-overlapping `length` windows over the first `total` predictions
+    of each document (EOS first), from the plain logits in float64."""
+    model, cfg, tok = load_model(str(run))
+    docs = long_documents(cfg.data, tok, min_tokens=total, n_docs=n_docs, split="test", seed=0)
+    losses = []
+    for d in docs:
+        ids = [tok.eos_id] + d
+        for i in range(0, total, length):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids[i : i + length]]))[0].double()
+            losses.append(F.cross_entropy(logits, torch.tensor(ids[i + 1 : i + length + 1]), reduction="none"))
+    return torch.cat(losses).mean().exp().item()
+
+
+@pytest.mark.slow
+def test_ppl_at_training_length_and_non_overlapping_stride(run, tmp_path):
+    results = evaluate(run, tmp_path, "task=ppl", f"ppl.lengths=[{L0},{4 * L0}]", f"ppl.stride={L0}", "ppl.n_docs=2")
+    rows = {r["length"]: r for r in results["ppl"]["rows"]}
+    # at the training length, with stride = window: non-overlapping windows over 4 * L0 predictions
+    assert rows[L0]["tokens"] == 2 * 4 * L0
+    assert rows[L0]["ppl"] == pytest.approx(independent_ppl(run, L0, 2, 4 * L0), rel=1e-5)
+    assert rows[4 * L0]["ppl"] == pytest.approx(independent_ppl(run, 4 * L0, 2, 4 * L0), rel=1e-5)
+    assert results["ppl"]["meta"]["step"] == 20 and results["ppl"]["meta"]["train_len"] == L0
+    assert 1 < rows[L0]["ppl"] < 512  # trained: better than uniform over the 512-token vocabulary
+
+
+@pytest.mark.slow
+def test_all_tasks_with_sweep_report_and_wandb_offline(run, tmp_path):
+    out = tmp_path / "eval"
+    code = main([f"run={run}", f"out_dir={out}", "progress=false", "wandb.mode=offline",
+                 "scalings=[none,dynamic:4]", f"ppl.lengths=[{L0},{8 * L0}]", "ppl.n_docs=1",
+                 "passkey.lengths=[200,400]", "passkey.n_cases=2", "passkey.depths=[0.2,0.8]",
+                 "passkey.modes=[teacher,generate]", f"attention.length={4 * L0}"])
+    assert code == 0
+    results = report.load_results(out)
+    assert {(r["scaling"], r["length"]) for r in results["ppl"]["rows"]} == {
+        (s, n) for s in ("none", "dynamic:4") for n in (L0, 8 * L0)}
+    cases = results["passkey"]["cases"]
+    assert len(cases) == 2 * 2 * 2 * 2  # scalings x lengths x depths x cases
+    assert all(c["teacher_correct"] == c["generate_correct"] for c in cases)
+    assert all(len(c["teacher_pred"]) == len(c["generate_pred"]) >= 5 for c in cases)
+    assert {r["scaling"] for r in results["attention"]["rows"]} == {"none", "dynamic:4"}
+    for name in ["ppl.png", "passkey.png", "passkey_depth.png", "attention_scores.png", "report.md", "ppl.csv"]:
+        assert (out / name).stat().st_size > 0
+    offline = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(offline) == 1 and offline[0].stat().st_size > 0
+
+    assert report.main([str(out), str(out), "--out", str(tmp_path / "cmp")]) == 0
+    md = (tmp_path / "cmp" / "compare_report.md").read_text()
+    assert "| eval (origin) + dynamic:4 |" in md
+
+
+def test_missing_run_exits_with_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "eval", f"run={tmp_path / 'nope'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: run or checkpoint not found: {tmp_path / 'nope'}"
+
+
+def check_one_line_error(run: Path, out: Path, capsys, overrides: list[str], message: str) -> None:
+    code = main([f"run={run}", f"out_dir={out}", "progress=false", "wandb.mode=disabled", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["task=perplexity"], "task='perplexity' is not one of ppl, passkey, attention, all"),
+        (["scalings=[dynamic]"], "write type:factor"),
+        (["tsk=ppl"], "Key 'tsk' not in 'EvalConfig'"),
+        (["ppl.lengths=[0]"], "ppl.lengths: 0 must be >= 1"),
+    ],
+)
+def test_bad_config_is_one_clear_line(tmp_path, capsys, overrides, message):
+    check_one_line_error(tmp_path, tmp_path, capsys, overrides, message)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["task=ppl", "ppl.lengths=[100000000]"], "documents with >= 100000000 tokens"),
+        (["task=passkey", "passkey.lengths=[40]"], "passkey length 40 is shorter than the prompt"),
+        (["task=attention", "attention.layers=[9]"], "layer 9 > model.n_layer=1"),
+    ],
+)
+def test_bad_input_for_a_run_is_one_clear_line(run, tmp_path, capsys, overrides, message):
+    check_one_line_error(run, tmp_path, capsys, overrides, message)
+
+
+def test_empty_run_dir_is_a_clear_error(tmp_path, capsys):
+    assert main([f"run={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: no complete checkpoint found in {tmp_path}"
+
+
+@pytest.mark.slow
+def test_ppl_is_finite_and_json_keeps_inf(run, tmp_path):
+    results = evaluate(run, tmp_path, "task=ppl", f"ppl.lengths=[{L0}]", "ppl.n_docs=1")
+    assert all(math.isfinite(r["ppl"]) for r in results["ppl"]["rows"])
+    assert json.loads((tmp_path / "ppl.json").read_text())["rows"][0]["stride"] == L0

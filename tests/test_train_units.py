@@ -1,0 +1,137 @@
+"""Fast checks of the training components: config composition and errors, schedule, DeepSpeed JSON,
+argument handling, checkpoint discovery, FLOPs accounting, W&B mode."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from model import GPT
+from train.__main__ import main
+from train.checkpoint import MARKER, CheckpointError, complete_checkpoints, find_checkpoint
+from train.config import ConfigError, OptimConfig, compose, to_train_config
+from train.distributed import strip_local_rank
+from train.engine import deepspeed_config
+from train.metrics import flops_per_token, wandb_mode
+from train.schedule import lr_at
+
+
+def _cfg(*overrides: str):
+    return to_train_config(compose(list(overrides)))
+
+
+def test_default_config_composes_with_vocab_from_tokenizer():
+    cfg = _cfg()
+    assert cfg.model.n_layer == 4 and cfg.model.n_embd == 256  # the tiny flavor
+    assert cfg.model.vocab_size == cfg.data.tokenizer.vocab_size
+    assert cfg.run_dir == "runs/tiny"
+    micro = _cfg("experiment=micro", "data.tokenizer.vocab_size=600")
+    assert micro.model.vocab_size == 600 and micro.run_dir == "runs/micro"
+    assert _cfg("model=350m").model.n_layer == 24
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("foo=1", ["foo"]),
+        ("+foo=1", ["foo"]),
+        ("max_steps=abc", ["max_steps", "abc"]),
+        ("model=huge", ["model/huge", "tiny"]),
+        ("deepspeed=zero9", ["deepspeed/zero9", "zero3_offload"]),
+        ("model.attention=foo", ["model.attention", "origin"]),
+        ("optim.decay=step", ["optim.decay", "cosine"]),
+        ("deepspeed.zero_stage=5", ["deepspeed.zero_stage"]),
+        ("logger.wandb=maybe", ["logger.wandb", "offline"]),
+        ("max_steps", ["max_steps", "key=value"]),
+    ],
+)
+def test_bad_override_is_one_clear_line(override, words, capsys):
+    with pytest.raises(ConfigError) as error:
+        _cfg(override)
+    message = str(error.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+    assert main([override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
+
+
+def test_cfg_job_prints_the_composed_config(capsys):
+    assert main(["--cfg", "job", "model=125m", "optim.lr=3e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "n_embd: 768" in out and "lr: 0.0003" in out
+
+
+def test_schedule_warmup_then_cosine_to_min():
+    o = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, warmup_init_lr=1e-7, decay="cosine")
+    assert lr_at(0, o, 110) == pytest.approx(1e-7 + (1e-3 - 1e-7) / 10)
+    assert lr_at(9, o, 110) == pytest.approx(1e-3)
+    assert lr_at(60, o, 110) == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, o, 110) == pytest.approx(1e-4)
+    lin = OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=0, decay="linear")
+    assert lr_at(25, lin, 100) == pytest.approx(0.75e-3)
+    values = [lr_at(s, o, 110) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_deepspeed_json_derives_from_the_one_config():
+    cfg = _cfg("batch_size=32", "micro_batch_size=4", "deepspeed=zero3_offload", "deepspeed.precision=bf16",
+               "optim.grad_clip=0.5")
+    ds = deepspeed_config(cfg, world_size=2)
+    assert ds["train_batch_size"] == 32
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert deepspeed_config(_cfg("deepspeed.precision=fp16"), 1)["fp16"]["enabled"]
+    with pytest.raises(ValueError, match="not divisible"):
+        deepspeed_config(cfg, world_size=3)
+    with pytest.raises(ConfigError, match="offload_param"):
+        _cfg("deepspeed=zero2", "deepspeed.offload_param=true")
+
+
+def test_local_rank_argument_is_removed(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_local_rank(["--local_rank=3", "max_steps=5"]) == ["max_steps=5"]
+    assert os.environ["LOCAL_RANK"] == "3"
+    assert strip_local_rank(["a=1", "--local-rank", "1", "b=2"]) == ["a=1", "b=2"]
+
+
+def test_incomplete_checkpoints_are_invisible(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step, complete in [(10, True), (20, True), (30, False)]:
+        d = root / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        if complete:
+            (d / MARKER).write_text("{}")
+    (root / ".tmp_step_00000040").mkdir()
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000010", "step_00000020"]
+    assert find_checkpoint(tmp_path).name == "step_00000020"
+    with pytest.raises(CheckpointError, match="incomplete"):
+        find_checkpoint(root / "step_00000030")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        find_checkpoint(tmp_path / "elsewhere")
+
+
+def test_flops_per_token_counts_every_matmul_weight():
+    cfg = _cfg("experiment=micro").model
+    model = GPT(cfg)
+    matmul = sum(p.numel() for name, p in model.named_parameters() if not name.startswith("wte."))
+    expected = 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * cfg.max_seq_len
+    assert flops_per_token(cfg, cfg.max_seq_len) == expected
+
+
+def test_wandb_mode_follows_credentials(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert wandb_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode("auto") == "online"
+    assert wandb_mode("disabled") == "disabled"

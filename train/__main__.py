@@ -1,0 +1,75 @@
+"""`python -m train [--cfg job] key=value ...`: compose the config, then train.
+
+Also runs under `torchrun` and `deepspeed --module train` (its `--local_rank=N` is removed
+before the overrides are parsed). Exit codes: 0 done, 1 run error, 2 bad configuration,
+128 + signal after a SIGTERM/SIGINT checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from omegaconf import OmegaConf
+
+from train.config import ConfigError, compose, to_train_config
+from train.distributed import strip_local_rank
+
+USAGE = """usage: python -m train [--cfg job] [key=value | group=option ...]
+  groups: model (tiny, 125m, 350m, 1.3b), data, optim, deepspeed (zero0..zero3, zero3_offload),
+          logger (wandb, none), experiment (presets in conf/experiment/)
+  e.g.    python -m train model=125m deepspeed=zero2 max_steps=1000 optim.lr=6e-4
+          python -m train resume=auto          (continue runs/<name> from its newest checkpoint)
+  --cfg job   print the composed config and exit"""
+
+
+def _split_args(argv: list[str]) -> tuple[list[str], bool]:
+    overrides, show = [], False
+    args = iter(argv)
+    for arg in args:
+        if arg in ("--cfg", "-c"):
+            show = True
+            next(args, None)  # `job` (the only kind there is here)
+        elif arg.startswith("--cfg="):
+            show = True
+        else:
+            overrides.append(arg)
+    return overrides, show
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = strip_local_rank(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(USAGE)
+        return 0
+    overrides, show = _split_args(argv)
+    try:
+        composed = compose(overrides)
+        cfg = to_train_config(composed)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if show:
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+        return 0
+
+    from train import distributed as dist
+    from train.checkpoint import CheckpointError
+    from train.loop import NonFiniteLossError, run
+
+    dist.init()
+    try:
+        return run(cfg)
+    except (ConfigError, CheckpointError, NonFiniteLossError, FileNotFoundError, ValueError) as error:
+        if os.environ.get("TRAIN_TRACEBACK"):
+            traceback.print_exc()
+        prefix = f"[rank {dist.rank()}] " if dist.world_size() > 1 else ""
+        print(f"{prefix}error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        dist.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The typed schema of `conf/config.yaml`.
+
+Hydra composes `conf/` onto these dataclasses, so an unknown key or a wrong type fails at
+composition; allowed values are checked in `__post_init__` with messages naming the key.
+Batch sizes, precision, clipping and ZeRO settings live only here: the DeepSpeed JSON is
+generated from them (`train.engine.deepspeed_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data.config import DataConfig
+from model.config import FLAVORS, ModelConfig, flavor
+
+DECAYS = ("cosine", "linear", "constant")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+NONFINITE = ("stop", "skip")
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if not value >= low:
+        raise ValueError(f"{name}={value!r} must be >= {low}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up from `warmup_init_lr`, then `decay` to `min_lr` at `max_steps`.
+
+    grad_clip: global gradient-norm clipping (0 disables). Weight decay skips biases and norms.
+    """
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    warmup_init_lr: float = 0.0
+    decay: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _one_of("optim.decay", self.decay, DECAYS)
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr={self.lr!r} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr!r} must be in [0, optim.lr={self.lr}]")
+        if not 0 <= self.warmup_init_lr <= self.lr:
+            raise ValueError(f"optim.warmup_init_lr={self.warmup_init_lr!r} must be in [0, optim.lr]")
+        _at_least("optim.warmup_steps", self.warmup_steps, 0)
+        _at_least("optim.weight_decay", self.weight_decay, 0.0)
+        _at_least("optim.grad_clip", self.grad_clip, 0.0)
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name}={getattr(self, name)!r} must be in [0, 1)")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """ZeRO stage, offload and precision (the rest of the DeepSpeed JSON derives from the run).
+
+    precision: auto (bf16 on a GPU that supports it, else fp32) | fp32 | bf16 | fp16 (loss scaling).
+    offload_optimizer: optimizer states and step on the CPU (DeepSpeedCPUAdam); ZeRO >= 1.
+    offload_param: parameters on the CPU; ZeRO 3 only.
+    """
+
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    precision: str = "auto"
+    fp16_initial_scale_power: int = 16
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"deepspeed.zero_stage={self.zero_stage!r} is not one of 0, 1, 2, 3")
+        _one_of("deepspeed.precision", self.precision, PRECISIONS)
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("deepspeed.offload_optimizer=true needs deepspeed.zero_stage >= 1")
+        if self.offload_param and self.zero_stage != 3:
+            raise ValueError("deepspeed.offload_param=true needs deepspeed.zero_stage=3")
+
+
+@dataclass
+class LoggerConfig:
+    """Console, `metrics.jsonl` and W&B.
+
+    wandb: auto (online with credentials, else offline) | online | offline | disabled.
+    peak_flops: peak FLOP/s of one device for MFU; null looks the device up in a table.
+    """
+
+    wandb: str = "auto"
+    project: str = "coca-longctx"
+    entity: Optional[str] = None
+    log_every: int = 10
+    progress: bool = True
+    peak_flops: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _one_of("logger.wandb", self.wandb, WANDB_MODES)
+        _at_least("logger.log_every", self.log_every, 1)
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests of the failure paths (all off by default).
+
+    nan_at_step: make the loss of this (1-based) step NaN.
+    kill_in_checkpoint_at_step: SIGKILL this process half-way through writing that checkpoint.
+    step_sleep_s: sleep after each step (lets a test kill a run at a known point).
+    log_blocks: write a fingerprint of every training block to `blocks_rank<R>.jsonl`.
+    """
+
+    nan_at_step: int = -1
+    kill_in_checkpoint_at_step: int = -1
+    step_sleep_s: float = 0.0
+    log_blocks: bool = False
+
+
+@dataclass
+class TrainConfig:
+    """One training run. The training length is `model.max_seq_len`.
+
+    batch_size: global sequences per optimizer step; micro_batch_size: per rank per forward.
+    Gradient accumulation is batch_size / (micro_batch_size * world size).
+    resume: null (fresh run), auto (newest complete checkpoint in run_dir, if any) or a path.
+    init_from: a run or checkpoint directory whose weights (only) start this run.
+    nonfinite: stop (exit with an error) or skip (drop the batch) on a non-finite loss.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    name: str = "tiny"
+    run_dir: str = "runs/${name}"
+    seed: int = 42
+    batch_size: int = 16
+    micro_batch_size: int = 16
+    max_steps: int = 300
+    eval_every: int = 50
+    eval_batches: int = 10
+    ckpt_every: int = 100
+    keep_last: int = 2
+    resume: Optional[str] = None
+    init_from: Optional[str] = None
+    nonfinite: str = "stop"
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "micro_batch_size", "max_steps", "eval_every", "eval_batches",
+                     "ckpt_every", "keep_last"):
+            _at_least(name, getattr(self, name), 1)
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a multiple of micro_batch_size={self.micro_batch_size}"
+            )
+        _one_of("nonfinite", self.nonfinite, NONFINITE)
+        if self.resume is not None and self.init_from is not None:
+            raise ValueError("resume and init_from are exclusive: resume continues a run, init_from starts one")
+
+    def grad_accum(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on each rank, for this world size."""
+        per_step = self.micro_batch_size * world_size
+        if self.batch_size % per_step:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by micro_batch_size={self.micro_batch_size} "
+                f"x world size {world_size}"
+            )
+        return self.batch_size // per_step
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+class ConfigError(Exception):
+    """A bad configuration or override; its message is one line naming the key."""
+
+
+def register_configs() -> None:
+    """Register the schema and the model flavors (from `model.config.FLAVORS`, the one table)."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for name in FLAVORS:
+        store.store(group="model", name=name, node=flavor(name))
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema."""
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
+            return hydra_compose(config_name="config", overrides=overrides)
+    except MissingConfigException as error:
+        options = ", ".join(error.options or [])
+        raise ConfigError(f"{_one_line(error)} (available: {options})" if options else _one_line(error)) from None
+    except OverrideParseException as error:
+        raise ConfigError(f"{_one_line(error)}: write key=value") from None
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        raise ConfigError(_one_line(error)) from None
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The validated dataclass (runs every `__post_init__` check) of a composed config."""
+    try:
+        # Hydra lets `+key=value` add keys; merging onto the schema rejects those too.
+        plain = OmegaConf.to_container(cfg, resolve=False)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), plain))
+    except (OmegaConfBaseException, ValueError, TypeError) as error:
+        raise ConfigError(_one_line(error)) from None
+
+
+def _one_line(error: BaseException) -> str:
+    """The first meaningful line of a Hydra/OmegaConf error (they append context and hints)."""
+    cause = error
+    while cause.__cause__ is not None and isinstance(cause, HydraException):
+        cause = cause.__cause__
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    message = lines[0] if lines else type(cause).__name__
+    key = getattr(cause, "full_key", None)
+    if key and key not in message:
+        message = f"{key}: {message}"
+    return message

@@ -1,0 +1,80 @@
+"""The DeepSpeed engine, built from the one `TrainConfig`.
+
+`deepspeed_config` derives the DeepSpeed JSON (batch sizes, precision, clipping, ZeRO stage and
+offload) from the run config, so no value is kept in two places; `build_engine` wraps the model
+with AdamW and the warm-up/decay schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from train.config import TrainConfig
+from train.schedule import scheduler_factory
+
+
+def resolve_precision(precision: str) -> str:
+    """`auto` is bf16 on an accelerator that supports it, fp32 on the CPU."""
+    if precision != "auto":
+        return precision
+    accelerator = get_accelerator()
+    return "bf16" if accelerator.device_name() != "cpu" and accelerator.is_bf16_supported() else "fp32"
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed JSON of this run for `world_size` data-parallel ranks."""
+    ds = cfg.deepspeed
+    precision = resolve_precision(ds.precision)
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": cfg.batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum(world_size),
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {
+            "enabled": precision == "fp16",
+            "loss_scale": 0,
+            "initial_scale_power": ds.fp16_initial_scale_power,
+        },
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (linear and embedding weights) only; biases and norm gains are not decayed."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; with optimizer offload, DeepSpeedCPUAdam (the step runs on the CPU, as ZeRO-Offload needs)."""
+    o = cfg.optim
+    groups = param_groups(model, o.weight_decay)
+    if cfg.deepspeed.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
+    """`deepspeed.initialize` with our optimizer and schedule; returns the engine."""
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=build_optimizer(model, cfg),
+        lr_scheduler=scheduler_factory(cfg.optim, cfg.max_steps),
+        config=deepspeed_config(cfg, world_size),
+    )
+    return engine

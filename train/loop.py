@@ -1,0 +1,268 @@
+"""The training run: set up (resume, data, engine), then one flat loop.
+
+Per optimizer step: `grad_accum` micro-batches of forward/backward through the DeepSpeed engine,
+one small all-reduce (mean loss, non-finite flag, stop request), then logging, periodic
+validation and checkpoints. SIGTERM/SIGINT finish the current step, save, and exit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from data.loader import build_loader
+from data.tokenizer import get_tokenizer
+from model import GPT
+from train import checkpoint
+from train import distributed as dist
+from train.config import ConfigError, TrainConfig
+from train.engine import build_engine, deepspeed_config, resolve_precision
+from train.export import TOKENIZER_FILE, fp32_state_dict
+from train.metrics import Reporter, device_peak_flops, flops_per_token, peak_memory_gb
+from train.schedule import lr_at
+
+
+class NonFiniteLossError(Exception):
+    """The training loss became NaN or infinite."""
+
+
+class _StopRequest:
+    """Remembers a SIGTERM/SIGINT so the loop can save a checkpoint before exiting."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+
+
+@dataclass
+class _Progress:
+    step: int = 0
+    tokens: int = 0
+    skipped: int = 0
+
+
+def _resume_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The checkpoint this run continues from, if any; refuse to overwrite a run silently."""
+    if cfg.resume == "auto":
+        found = checkpoint.complete_checkpoints(cfg.run_dir)
+        return found[-1] if found else None
+    if cfg.resume:
+        return checkpoint.find_checkpoint(cfg.resume)
+    found = checkpoint.complete_checkpoints(cfg.run_dir)
+    if found:
+        raise checkpoint.CheckpointError(
+            f"run_dir {cfg.run_dir} already holds checkpoints (newest {found[-1].name}): pass resume=auto "
+            "to continue that run, or set name=<new name> for a new one"
+        )
+    return None
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _val_batches(cfg: TrainConfig, tokenizer) -> list[torch.Tensor]:
+    """A fixed validation set: the first `eval_batches` batches of the val split on this rank,
+    cut to the same count on every rank (ZeRO-3 forwards are collective)."""
+    loader = build_loader(cfg.data, tokenizer, split="val", seq_len=cfg.model.max_seq_len,
+                          batch_size=cfg.micro_batch_size, rank=dist.rank(), world_size=dist.world_size())
+    batches = list(islice(loader, cfg.eval_batches))
+    count = int(dist.all_reduce([len(batches)], op="min")[0])
+    if count == 0:
+        raise ConfigError("the val split has no full block on some rank: use a larger corpus or smaller model.max_seq_len")
+    return batches[:count]
+
+
+@torch.no_grad()
+def evaluate(engine, batches: list[torch.Tensor]) -> float:
+    """Mean validation loss per token over all ranks."""
+    engine.eval()
+    loss_sum, tokens = 0.0, 0
+    for batch in batches:
+        batch = batch.to(engine.device)
+        loss = engine(batch[:, :-1], batch[:, 1:])
+        loss_sum += loss.float().item() * batch[:, 1:].numel()
+        tokens += batch[:, 1:].numel()
+    engine.train()
+    total, count = dist.all_reduce([loss_sum, tokens])
+    return total / count
+
+
+def _grad_norm(model: torch.nn.Module) -> float:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
+
+
+class _BlockLog:
+    """Debug: a fingerprint of every training block, to prove none is repeated or skipped on resume."""
+
+    def __init__(self, run_dir: Path, resumed_step: int):
+        self.path = run_dir / f"blocks_rank{dist.rank()}.jsonl"
+        if self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resumed_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(self.path, "a")
+
+    def write(self, step: int, batch: torch.Tensor) -> None:
+        hashes = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch.cpu()]
+        self.file.write(json.dumps({"step": step, "blocks": hashes}) + "\n")
+        self.file.flush()
+
+
+def run(cfg: TrainConfig) -> int:
+    """Train as configured; returns the process exit code (0, or 128 + signal after a stop request)."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    run_dir = Path(cfg.run_dir)
+    rank, world = dist.rank(), dist.world_size()
+    seq_len = cfg.model.max_seq_len
+    grad_accum = cfg.grad_accum(world)
+    resume_from = _resume_checkpoint(cfg)
+    init_from = checkpoint.find_checkpoint(cfg.init_from) if cfg.init_from else None
+
+    tokenizer = get_tokenizer(cfg.data)
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={cfg.model.vocab_size}: "
+            "set data.tokenizer.vocab_size to match"
+        )
+
+    _seed(cfg.seed)
+    model = GPT(cfg.model)
+    if init_from is not None:
+        checkpoint.check_compatible(init_from, cfg.model, world, weights_only=True)
+        model.load_state_dict(fp32_state_dict(init_from))
+    if resume_from is not None:
+        checkpoint.check_compatible(resume_from, cfg.model, world, weights_only=False)
+    engine = build_engine(model, cfg, world)
+
+    loader = build_loader(cfg.data, tokenizer, split="train", seq_len=seq_len,
+                          batch_size=cfg.micro_batch_size, rank=rank, world_size=world)
+    val_batches = _val_batches(cfg, tokenizer)
+    progress = _Progress()
+    if resume_from is not None:
+        client = checkpoint.load(engine, resume_from)
+        progress = _Progress(client["step"], client["tokens"], client["skipped"])
+        loader.load_state_dict(client["loader"])
+    else:
+        _seed(cfg.seed + 1 + rank)  # per-rank streams for anything random after the common init
+
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    files = {"config.yaml": config_yaml.encode(), TOKENIZER_FILE: Path(tokenizer.path).read_bytes()}
+    if dist.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
+        (run_dir / "deepspeed.json").write_text(json.dumps(deepspeed_config(cfg, world), indent=2))
+    dist.barrier()
+    reporter = Reporter(cfg.logger, run_dir, cfg.name, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                        enabled=dist.is_main(), resumed_step=progress.step, max_steps=cfg.max_steps)
+    blocks = _BlockLog(run_dir, progress.step) if cfg.debug.log_blocks else None
+    if resume_from is not None:
+        reporter.message(f"resumed from {resume_from} at step {progress.step}")
+
+    def save() -> None:
+        def kill_now() -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        hook = kill_now if progress.step == cfg.debug.kill_in_checkpoint_at_step else None
+        client = {"step": progress.step, "tokens": progress.tokens, "skipped": progress.skipped,
+                  "loader": loader.state_dict()}
+        path = checkpoint.save(engine, run_dir, progress.step, client, files, cfg.keep_last, before_commit=hook)
+        reporter.message(f"saved {path}")
+
+    peak = device_peak_flops(resolve_precision(cfg.deepspeed.precision), cfg.logger.peak_flops)
+    token_flops = flops_per_token(cfg.model, seq_len)
+    stop = _StopRequest()
+    exit_code = 0
+    batches = iter(loader)
+    window_start, window_tokens = time.perf_counter(), progress.tokens
+    try:
+        while progress.step < cfg.max_steps:
+            loss_sum, done, pre_step_norm = 0.0, 0, None
+            while done < grad_accum:
+                batch = next(batches)
+                if blocks is not None:
+                    blocks.write(progress.step + 1, batch)
+                batch = batch.to(engine.device)
+                loss = engine(batch[:, :-1], batch[:, 1:])
+                if progress.step + 1 == cfg.debug.nan_at_step:
+                    loss = loss * float("nan")
+                if cfg.nonfinite == "skip" and dist.all_reduce([float(not torch.isfinite(loss))], op="max")[0]:
+                    progress.skipped += 1
+                    reporter.message(f"skipped a batch with a non-finite loss at step {progress.step + 1}")
+                    continue
+                engine.backward(loss)
+                if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
+                    pre_step_norm = _grad_norm(engine.module)
+                engine.step()
+                loss_sum += loss.float().item()
+                done += 1
+            progress.step += 1
+            progress.tokens += cfg.batch_size * seq_len
+
+            loss_total, nonfinite, stopping = dist.all_reduce(
+                [loss_sum / grad_accum, float(not np.isfinite(loss_sum)), float(stop.signum > 0)]
+            )
+            if nonfinite:
+                raise NonFiniteLossError(
+                    f"non-finite training loss at step {progress.step} (lr {lr_at(progress.step - 1, cfg.optim, cfg.max_steps):.3g}); "
+                    "stopped without saving: the newest checkpoint holds the last good weights "
+                    "(lower optim.lr, or set nonfinite=skip to drop such batches)"
+                )
+            if cfg.debug.step_sleep_s:
+                time.sleep(cfg.debug.step_sleep_s)
+
+            loss_mean = loss_total / world
+            lr = lr_at(progress.step - 1, cfg.optim, cfg.max_steps)
+            if progress.step % cfg.logger.log_every == 0 or progress.step == cfg.max_steps:
+                elapsed = time.perf_counter() - window_start
+                tokens_per_s = (progress.tokens - window_tokens) / max(elapsed, 1e-9)
+                norm = engine.get_global_grad_norm()
+                norm = pre_step_norm if norm is None else float(norm)
+                record = {"step": progress.step, "loss": loss_mean, "lr": lr, "tokens_seen": progress.tokens,
+                          "tokens_per_s": tokens_per_s, "grad_norm": norm, "mem_gb": peak_memory_gb()}
+                if peak:
+                    record["mfu"] = token_flops * tokens_per_s / (peak * world)
+                if progress.skipped:
+                    record["skipped"] = progress.skipped
+                reporter.log(record)
+                window_start, window_tokens = time.perf_counter(), progress.tokens
+            reporter.progress(progress.step, loss=f"{loss_mean:.4f}", lr=f"{lr:.2e}")
+
+            paused = time.perf_counter()  # tokens/s measures training only
+            if progress.step % cfg.eval_every == 0 or progress.step == cfg.max_steps:
+                val_loss = evaluate(engine, val_batches)
+                reporter.log({"step": progress.step, "val_loss": val_loss, "val_ppl": float(np.exp(min(val_loss, 50.0))),
+                              "tokens_seen": progress.tokens})
+                reporter.message(f"step {progress.step}: val_loss {val_loss:.4f}")
+            if stopping:
+                save()
+                exit_code = 128 + (stop.signum or signal.SIGTERM)
+                reporter.message(f"stopped by a signal at step {progress.step}; continue with resume=auto")
+                break
+            if progress.step % cfg.ckpt_every == 0 or progress.step == cfg.max_steps:
+                save()
+            window_start += time.perf_counter() - paused
+    except BaseException:
+        reporter.close(exit_code=1)
+        raise
+    reporter.close(exit_code=exit_code)
+    return exit_code

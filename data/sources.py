@@ -124,7 +124,10 @@ def open_source(src: SourceConfig, split: str, cfg: DataConfig, *, seed: int, ep
     if src.kind == "files":
         files = _epoch_order(source_files(src, split, cfg), seed, epoch)
         builder = FILE_BUILDERS[Path(files[0]).suffix]
-        kwargs = {"sample_by": "document", "encoding_errors": "replace"} if builder == "text" else {}
+        kwargs = {"text": {"sample_by": "document", "encoding_errors": "replace"},
+                  # json re-decodes with `encoding_errors` only for an encoding other than "utf-8":
+                  # "utf-8-sig" is UTF-8 (minus a BOM), so invalid bytes become U+FFFD, not a crash
+                  "json": {"encoding": "utf-8-sig", "encoding_errors": "replace"}}.get(builder, {})
         ds = datasets.load_dataset(builder, data_files={"train": files}, split="train", streaming=True, **kwargs)
     elif src.kind == "hub":
         hub_split = src.split.split(",")[("train", "val", "test").index(split)].strip()

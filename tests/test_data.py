@@ -186,11 +186,13 @@ def test_vocabulary_too_large_for_corpus(tmp_path):
 def test_invalid_utf8_is_replaced_not_fatal(tok, tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "a.txt").write_bytes(b"good text \xff\xfe then more " * 20)
-    cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "{split}" / "*.txt"))])
-    [example] = list(open_source(cfg.sources[0], "train", cfg, seed=0))
-    assert "\ufffd" in example["text"] and "then more" in example["text"]
-    batch = _take(build_loader(cfg, tok, split="train", seq_len=16, batch_size=2), 1)[0]
-    assert batch.shape == (2, 17)
+    (tmp_path / "train" / "b.jsonl").write_bytes(b'{"text": "ok \xff\xfe bad"}\n{"text": "fine"}\n')
+    for ext in ("txt", "jsonl"):
+        cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "{split}" / f"*.{ext}"))])
+        texts = [e["text"] for e in open_source(cfg.sources[0], "train", cfg, seed=0)]
+        assert texts == {"txt": ["good text \ufffd\ufffd then more " * 20], "jsonl": ["ok \ufffd\ufffd bad", "fine"]}[ext]
+        batch = _take(build_loader(cfg, tok, split="train", seq_len=4, batch_size=2), 1)[0]
+        assert batch.shape == (2, 5)
 
 
 def test_too_few_shards_for_workers(tok, tmp_path):
@@ -229,6 +231,25 @@ def _docs_of(tok: Tokenizer, stream: list[int], known: dict[str, str]) -> tuple[
         else:
             piece.append(t)
     return names, piece
+
+
+def test_val_loader_restarts_on_every_pass(tok, corpus):
+    root, _ = corpus
+    loader = build_loader(_cfg(root), tok, split="val", seq_len=15, batch_size=4)
+    first = [b for _, b in zip(range(3), loader)]
+    full, again = list(loader), list(loader)
+    assert len(full) == len(again) > 3
+    _assert_same(again, full)
+    _assert_same(first, full[:3])
+
+
+def test_stream_pickles_for_spawned_workers(tok, corpus):
+    import pickle
+
+    root, _ = corpus
+    stream = build_loader(_cfg(root), tok, split="train", seq_len=15, batch_size=1).dataset
+    copy = pickle.loads(pickle.dumps(stream))
+    assert torch.equal(next(iter(copy)), next(iter(stream)))
 
 
 def test_blocks_pack_documents_with_eos_exactly(tok, corpus):

@@ -1,9 +1,19 @@
-"""Data: tokenizer, corpus sources, packed + sharded + resumable streams, long documents."""
+"""Data: tokenizer, corpus sources, packed + sharded + resumable streams, long documents.
 
-from data.config import DataConfig, SourceConfig, TokenizerConfig
-from data.documents import long_documents
-from data.loader import build_loader
-from data.tokenizer import Tokenizer, get_tokenizer
+The public names load lazily, so `python -m data.tokenizer` does not import itself twice.
+"""
 
-__all__ = ["DataConfig", "SourceConfig", "TokenizerConfig", "Tokenizer", "get_tokenizer", "build_loader",
-           "long_documents"]
+import importlib
+
+_EXPORTS = {
+    "DataConfig": "data.config", "SourceConfig": "data.config", "TokenizerConfig": "data.config",
+    "Tokenizer": "data.tokenizer", "get_tokenizer": "data.tokenizer",
+    "build_loader": "data.loader", "long_documents": "data.documents",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'data' has no attribute {name!r}")

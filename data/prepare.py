@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+from omegaconf.errors import OmegaConfBaseException
 
 from data.config import SPLITS, DataConfig, SourceConfig, check_split
 from data.sources import open_source, text_of
@@ -150,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         cfg = _config_from_overrides(args.overrides, None)
         meta = prepare(cfg, args.out, splits=tuple(args.splits.split(",")), shard_tokens=args.shard_tokens)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
         parser.exit(2, f"error: {e}\n")
     for split, info in meta["splits"].items():
         tokens = sum(s["tokens"] for s in info["shards"])

@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 from itertools import islice
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import sentencepiece as spm
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.config import DataConfig
 from data.sources import open_source, stdlib_fingerprint, text_of
@@ -145,10 +148,12 @@ def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
             minloglevel=2,
         )
     except RuntimeError as e:
-        if "Vocabulary size" in str(e) or "vocab_size" in str(e):
+        limit = re.search(r"Vocabulary size too high .*<= (\d+)", str(e))
+        if limit:
             raise ValueError(
                 f"data.tokenizer.vocab_size={tok.vocab_size} is too large for the corpus sample of "
-                f"sources {names} ({len(docs)} documents): {e}. Lower vocab_size or raise sample_docs."
+                f"sources {names} ({len(docs)} documents supports at most {limit.group(1)}); "
+                "lower vocab_size or raise sample_docs"
             ) from None
         raise
     proto.seek(0)
@@ -184,8 +189,6 @@ def get_tokenizer(cfg: DataConfig) -> Tokenizer:
 
 
 def _config_from_overrides(overrides: list[str], vocab_size: Optional[int]) -> DataConfig:
-    from omegaconf import OmegaConf
-
     conf = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(overrides))
     cfg: DataConfig = OmegaConf.to_object(conf)
     if vocab_size is not None:
@@ -225,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(json.dumps({"path": tok.path, "vocab_size": tok.vocab_size, "pad_id": tok.pad_id,
                               "unk_id": tok.unk_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                               "sha256": tok.sha256}, indent=2))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
         parser.exit(2, f"error: {e}\n")
 
 

@@ -36,3 +36,29 @@ def long_documents(cfg: DataConfig, tokenizer: Tokenizer, *, min_tokens: int, n_
         f"only {len(found)} documents with >= {min_tokens} tokens in split {split!r} of sources {names}; "
         f"asked for {n_docs}"
     )
+
+
+def count_long_documents(cfg: DataConfig, tokenizer: Tokenizer, thresholds: list[int], split: str = "test") -> dict[int, int]:
+    """How many documents of a split reach each token count (text sources)."""
+    check_split(split)
+    lengths = [len(tokenizer.encode(text_of(e, src))) for src in cfg.sources if src.kind != "tokens"
+               for e in open_source(src, split, cfg, seed=0)]
+    return {t: sum(n >= t for n in lengths) for t in thresholds}
+
+
+def main() -> None:
+    """`python -m data.documents [split] [key=value ...]`: long-document counts of a data config."""
+    import sys
+
+    from data.tokenizer import _config_from_overrides, get_tokenizer
+
+    args = sys.argv[1:]
+    split = args.pop(0) if args and "=" not in args[0] else "test"
+    cfg = _config_from_overrides(args, None)
+    counts = count_long_documents(cfg, get_tokenizer(cfg), [4096, 8192, 16384, 32768, 65536], split)
+    for t, n in counts.items():
+        print(f"{split}: {n} documents with >= {t} tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from data.config import DataConfig, SourceConfig, TokenizerConfig
-from data.documents import long_documents
+from data.documents import count_long_documents, long_documents
 from data.loader import build_loader
 from data.prepare import prepare
 from data.sources import open_source, split_of
@@ -355,13 +355,13 @@ def test_train_stream_shuffles_and_reorders_epochs(tok, corpus):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [0, 1])
-def test_resume_three_times_two_workers_two_ranks(tok, corpus, rank):
+@pytest.mark.parametrize("rank,world_size", [(0, 2), (1, 2), (2, 3)])  # 8 shards: by shard, by document
+def test_resume_three_times_two_workers_several_ranks(tok, corpus, rank, world_size):
     root, _ = corpus
 
     def make():
         return build_loader(_cfg(root, num_workers=2, shuffle_buffer=4), tok, split="train", seq_len=15,
-                            batch_size=3, rank=rank, world_size=2)
+                            batch_size=3, rank=rank, world_size=world_size)
 
     ref = _take(make(), 50)
     _assert_same(_resumed(make, [5, 18, 31], 50), ref)
@@ -421,8 +421,10 @@ def test_long_documents_stdlib(tok):
     starts = {tuple(tok.encode(e["text"])[:8192]) for e in open_source(cfg.sources[0], "test", cfg, seed=0)
               if len(e["text"]) >= 8192}
     assert all(tuple(d) in starts for d in docs)
-    with pytest.raises(ValueError, match=r"only \d+ documents with >= 8192 tokens in split 'test' of sources stdlib"):
-        long_documents(cfg, tok, min_tokens=8192, n_docs=10_000)
+    n = count_long_documents(cfg, tok, [8192])[8192]
+    assert len(long_documents(cfg, tok, min_tokens=8192, n_docs=n)) == n
+    with pytest.raises(ValueError, match=rf"only {n} documents with >= 8192 tokens in split 'test' of sources stdlib"):
+        long_documents(cfg, tok, min_tokens=8192, n_docs=n + 1)
 
 
 # --- pre-tokenized shards -----------------------------------------------------------------------

@@ -50,11 +50,11 @@ def main() -> None:
     """`python -m data.documents [split] [key=value ...]`: long-document counts of a data config."""
     import sys
 
-    from data.tokenizer import _config_from_overrides, get_tokenizer
+    from data.tokenizer import config_from_overrides, get_tokenizer
 
     args = sys.argv[1:]
     split = args.pop(0) if args and "=" not in args[0] else "test"
-    cfg = _config_from_overrides(args, None)
+    cfg = config_from_overrides(args, None)
     counts = count_long_documents(cfg, get_tokenizer(cfg), [4096, 8192, 16384, 32768, 65536], split)
     for t, n in counts.items():
         print(f"{split}: {n} documents with >= {t} tokens")

@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.config import SPLITS, DataConfig, SourceConfig, check_split
 from data.sources import open_source, text_of
-from data.tokenizer import Tokenizer, _config_from_overrides, get_tokenizer
+from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 
 META = "meta.json"
 CHUNK = 4096  # blocks per chunk of the two-level shuffle
@@ -149,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("overrides", nargs="*", help="DataConfig overrides, e.g. tokenizer.vocab_size=8192")
     args = parser.parse_args(argv)
     try:
-        cfg = _config_from_overrides(args.overrides, None)
+        cfg = config_from_overrides(args.overrides, None)
         meta = prepare(cfg, args.out, splits=tuple(args.splits.split(",")), shard_tokens=args.shard_tokens)
     except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
         parser.exit(2, f"error: {e}\n")

@@ -35,6 +35,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 
 from data.config import DataConfig, SourceConfig
+from data.prepare import TokenCursor
 from data.sources import open_source, text_of
 from data.tokenizer import Tokenizer
 
@@ -162,8 +163,6 @@ class PackedStream(torch.utils.data.IterableDataset):
 
     # -- iteration ---------------------------------------------------------------------------
     def _cursors(self) -> list[Cursor]:
-        from data.prepare import TokenCursor  # prepare imports this module's users
-
         cursors: list[Cursor] = []
         for src in self.cfg.sources:
             if src.kind == "tokens":

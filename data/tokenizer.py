@@ -188,7 +188,8 @@ def get_tokenizer(cfg: DataConfig) -> Tokenizer:
         return train_tokenizer(cfg, path)
 
 
-def _config_from_overrides(overrides: list[str], vocab_size: Optional[int]) -> DataConfig:
+def config_from_overrides(overrides: list[str], vocab_size: Optional[int]) -> DataConfig:
+    """A DataConfig from `key=value` overrides of the defaults (the command lines' parser)."""
     conf = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(overrides))
     cfg: DataConfig = OmegaConf.to_object(conf)
     if vocab_size is not None:
@@ -213,7 +214,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            tok = get_tokenizer(_config_from_overrides(args.overrides, args.vocab_size))
+            tok = get_tokenizer(config_from_overrides(args.overrides, args.vocab_size))
             if args.out:
                 Path(args.out).write_bytes(Path(tok.path).read_bytes())
             print(f"{tok.path} vocab_size={tok.vocab_size}")

@@ -29,7 +29,7 @@ from model.config import flavor
 def tok(tmp_path_factory):
     cfg = DataConfig(
         cache_dir=str(tmp_path_factory.getbasetemp() / "eval_tokenizer"),
-        tokenizer=TokenizerConfig(vocab_size=512, sample_docs=50),
+        tokenizer=TokenizerConfig(vocab_size=512, sample_docs=60),  # as experiment=micro: one cached tokenizer
     )
     return get_tokenizer(cfg)
 

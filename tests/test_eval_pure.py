@@ -202,3 +202,18 @@ def csvrows(path: Path):
 def test_saved_json_roundtrips_inf(tmp_path):
     report.save_json(tmp_path / "x.json", {"v": math.inf})
     assert json.loads((tmp_path / "x.json").read_text())["v"] == math.inf
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_scaling_parse_and_default_lengths():
+    from eval.config import Scaling, default_lengths
+
+    assert Scaling.parse("dynamic:4") == Scaling("dynamic", 4.0) and Scaling.parse("dynamic:4").label == "dynamic:4"
+    assert Scaling.parse("none") == Scaling("none", 1.0) and Scaling.parse("linear:2.5").label == "linear:2.5"
+    for bad, msg in [("dyn:4", "not one of"), ("ntk", "type:factor"), ("yarn:0.5", ">= 1")]:
+        with pytest.raises(ValueError, match=msg):
+            Scaling.parse(bad)
+    assert default_lengths(512) == [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    assert default_lengths(128, 4) == [128, 256, 512]

@@ -1,9 +1,10 @@
-"""Corpus sources: each (source, split, epoch) opens as a `datasets.IterableDataset` of {"text": str}.
+"""Corpus sources: each (source, split, epoch) opens as a `datasets.IterableDataset` of records.
 
 Sources are read with the `datasets` streaming machinery so that sharding by rank
 (`split_dataset_by_node`) and by dataloader worker, and the resumable position
 (`IterableDataset.state_dict`), are the library's. Documents are whole files for `stdlib`
-and `txt` files, records for jsonl/json/parquet and hub datasets.
+and `txt` files, records for jsonl/json/parquet and hub datasets; `text_of` reads a record's
+configured text field (directly: no `.map()` stage whose resume could skip, datasets#8145).
 
 Splits: `stdlib` and `files` sources assign each file to train/val/test by a hash of its
 path (files are documents or shards, so no document is cut between splits); a `files` path
@@ -17,6 +18,7 @@ import hashlib
 import os
 import sys
 import sysconfig
+from itertools import takewhile
 from pathlib import Path
 from typing import Iterator
 
@@ -69,6 +71,14 @@ def _epoch_order(items: list[str], seed: int, epoch: int) -> list[str]:
     return [items[i] for i in perm]
 
 
+def _glob_base(pattern: str) -> str:
+    """The directory part of a glob before its first wildcard."""
+    parts = Path(pattern).parts
+    fixed = list(takewhile(lambda p: not glob.has_magic(p), parts))
+    base = os.path.join(*fixed) if fixed else "."
+    return base if os.path.isdir(base) else os.path.dirname(base) or "."
+
+
 def _match_files(src: SourceConfig, split: str, cfg: DataConfig) -> list[str]:
     pattern = os.path.expanduser(src.path)
     if "{split}" in pattern:
@@ -78,7 +88,9 @@ def _match_files(src: SourceConfig, split: str, cfg: DataConfig) -> list[str]:
         all_files = sorted(glob.glob(pattern, recursive=True))
         if not all_files:
             raise FileNotFoundError(f"source {src.describe()}: no file matches {pattern!r}")
-        files = [f for f in all_files if split_of(os.path.relpath(f), cfg.val_fraction, cfg.test_fraction) == split]
+        base = _glob_base(pattern)  # keys independent of the working directory
+        files = [f for f in all_files
+                 if split_of(os.path.relpath(f, base), cfg.val_fraction, cfg.test_fraction) == split]
         where = f"{pattern} ({len(all_files)} files, assigned to splits by a hash of their path)"
     files = [f for f in files if os.path.isfile(f)]
     if not files:
@@ -134,7 +146,7 @@ def open_source(src: SourceConfig, split: str, cfg: DataConfig, *, seed: int, ep
         ds = datasets.load_dataset(src.name, src.subset, split=hub_split, streaming=True)
     else:
         raise ValueError(f"source {src.describe()}: kind {src.kind!r} holds tokens, not text")
-    return ds  # the text field is read by `text_of`: no .map() stage (see datasets#8145)
+    return ds
 
 
 def text_of(example: dict, src: SourceConfig) -> str:

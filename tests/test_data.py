@@ -18,7 +18,7 @@ from data.config import DataConfig, SourceConfig, TokenizerConfig
 from data.documents import count_long_documents, long_documents
 from data.loader import build_loader
 from data.prepare import prepare
-from data.sources import open_source, split_of
+from data.sources import open_source, source_files, split_of
 from data.tokenizer import Tokenizer, get_tokenizer
 from data.tokenizer import main as tokenizer_cli
 
@@ -97,6 +97,17 @@ def test_split_by_hash_is_deterministic_and_proportional():
     assert splits == [split_of(k, 0.05, 0.1) for k in keys]
     frac = {s: splits.count(s) / len(keys) for s in ("train", "val", "test")}
     assert abs(frac["test"] - 0.1) < 0.01 and abs(frac["val"] - 0.05) < 0.01
+
+
+def test_files_without_split_placeholder_are_split_by_path_hash(tmp_path, monkeypatch):
+    for i in range(60):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i}")
+    cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "*.txt"))])
+    splits = {s: source_files(cfg.sources[0], s, cfg) for s in ("train", "val", "test")}
+    assert sorted(sum(splits.values(), [])) == sorted(str(p) for p in tmp_path.glob("*.txt"))  # a partition
+    assert all(splits.values())
+    monkeypatch.chdir(tmp_path.parent)  # the assignment does not depend on the working directory
+    assert {s: source_files(cfg.sources[0], s, cfg) for s in splits} == splits
 
 
 # --- tokenizer ----------------------------------------------------------------------------------

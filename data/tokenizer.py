@@ -124,6 +124,7 @@ def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
     if not any(d.strip() for d in docs):
         raise ValueError(f"cannot train a tokenizer: sources {names} gave no text (empty corpus)")
     proto = tempfile.SpooledTemporaryFile()
+    spm.set_random_generator_seed(0)  # same corpus + settings -> same model on every node
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=_sentences(docs),

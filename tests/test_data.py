@@ -140,6 +140,13 @@ def test_tokenizer_is_cached_by_spec(tok, tmp_path):
     assert loaded.encode("def f(): pass") == other.encode("def f(): pass")
 
 
+def test_tokenizer_training_is_deterministic(tmp_path):
+    """Nodes without a shared cache train their own: they must get the same model."""
+    cfg = lambda d: DataConfig(tokenizer=TokenizerConfig(vocab_size=400, sample_docs=20, max_sentences=3000),
+                               cache_dir=str(tmp_path / d))
+    assert get_tokenizer(cfg("a")).sha256 == get_tokenizer(cfg("b")).sha256
+
+
 def test_tokenizer_pickles(tok):
     import pickle
 

@@ -156,9 +156,18 @@ def _compiled_flex():
 
 @functools.lru_cache(maxsize=32)
 def _causal_block_mask(length: int, device: str):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """Causal BlockMask built from block indices: row tile i has full tiles 0..i-1 and a partial
+    diagonal tile i. (`create_block_mask` would evaluate the mask on all N x N pairs: 2.6 GB at 16K.)"""
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as BLOCK, BlockMask
 
-    return create_block_mask(lambda b, h, m, n: m >= n, None, None, length, length, device=device)
+    tiles = -(-length // BLOCK)
+    rows = torch.arange(tiles, dtype=torch.int32, device=device)
+    diagonal = rows[:, None].expand(tiles, tiles).contiguous()  # only column 0 is read
+    before = rows[None, :].expand(tiles, tiles).contiguous()  # first i columns are read
+    return BlockMask.from_kv_blocks(
+        torch.ones_like(rows)[None, None], diagonal[None, None], rows[None, None], before[None, None],
+        BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, m, n: m >= n, seq_lengths=(length, length),
+    )
 
 
 @functools.lru_cache(maxsize=32)

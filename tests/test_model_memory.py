@@ -1,0 +1,57 @@
+"""A 16K-token forward of the tiny model needs far less memory than one N x N score matrix.
+
+Peak memory is measured as the growth of the process's peak resident set (ru_maxrss) in a fresh
+subprocess, from after short warm-up forwards (which also compile what needs compiling) to after
+the 16K forward.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 16384
+
+SCRIPT = """
+import json, resource, sys
+import torch
+from model import GPT, flavor
+attention, form, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(0)
+model = GPT(flavor("tiny", attention=attention, coca_form=form)).eval()
+idx = torch.randint(0, model.cfg.vocab_size, (1, n + 1))
+with torch.no_grad():
+    for warm in (256, 1024, 2048):  # ALiBi: compiles FlexAttention (static, then dynamic shapes) here
+        model.token_losses(idx[:, :warm], idx[:, 1 : warm + 1])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    losses = model.token_losses(idx[:, :-1], idx[:, 1:])
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps(dict(peak_bytes=(after - before) * 1024, heads=model.cfg.n_head,
+                      finite=bool(torch.isfinite(losses).all()))))
+"""
+
+
+def peak_forward_memory(attention: str, form: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, attention, form, str(N)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "attention, form",
+    [
+        ("coca", "slack"),  # Origin and Strict run the same SDPA kernel (see bench/attention.py)
+        pytest.param("alibi", "slack", marks=pytest.mark.slow),  # compiled FlexAttention on CPU
+    ],
+)
+def test_16k_forward_memory_is_far_below_a_score_matrix(attention, form):
+    result = peak_forward_memory(attention, form)
+    score_matrices = N * N * 4 * result["heads"]  # float32 scores of one layer, all heads
+    print(f"{attention}-{form}: peak {result['peak_bytes'] / 2**20:.0f} MiB vs {score_matrices / 2**20:.0f} MiB")
+    assert result["finite"]
+    assert result["peak_bytes"] < score_matrices / 10

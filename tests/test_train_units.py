@@ -135,3 +135,18 @@ def test_wandb_mode_follows_credentials(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert wandb_mode("auto") == "online"
     assert wandb_mode("disabled") == "disabled"
+
+
+def test_fresh_run_refuses_to_overwrite_a_run(tmp_path):
+    from train.loop import _resume_checkpoint
+
+    run_dir = tmp_path / "run"
+    assert _resume_checkpoint(_cfg(f"run_dir={run_dir}")) is None
+    assert _resume_checkpoint(_cfg(f"run_dir={run_dir}", "resume=auto")) is None  # nothing yet: fresh start
+    done = run_dir / "checkpoints" / "step_00000005"
+    done.mkdir(parents=True)
+    (done / MARKER).write_text("{}")
+    with pytest.raises(CheckpointError, match="resume=auto"):
+        _resume_checkpoint(_cfg(f"run_dir={run_dir}"))
+    assert _resume_checkpoint(_cfg(f"run_dir={run_dir}", "resume=auto")) == done
+    assert _resume_checkpoint(_cfg(f"run_dir={run_dir}", f"resume={done}")) == done

@@ -76,7 +76,7 @@ class Session:
         requested = [Scaling.parse(s) for s in self.cfg.scalings]
         if not requested:
             rs = self.cfg.model.rope_scaling
-            requested = [Scaling(rs.type, rs.factor) if rs is not None else self.trained]
+            requested = [Scaling.parse(f"{rs.type}:{rs.factor}") if rs.type is not None else self.trained]
         return applicable(requested, self.train_cfg.model.attention)
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from data.config import SourceConfig, check_split
-from model.config import ROPE_SCALINGS, RopeScaling
+from model.config import ROPE_SCALINGS
 
 TASKS = ("ppl", "passkey", "attention")
 TASK_CHOICES = TASKS + ("all",)
@@ -47,10 +47,23 @@ class Scaling:
 
 
 @dataclass
-class EvalModelConfig:
-    """rope_scaling: the scaling to evaluate with when `scalings` is empty (null: as trained)."""
+class EvalRopeScaling:
+    """The RoPE scaling to evaluate with when `scalings` is empty; type null: as trained."""
 
-    rope_scaling: Optional[RopeScaling] = None
+    type: Optional[str] = None
+    factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.type is not None:
+            try:
+                Scaling.parse(f"{self.type}:{self.factor}")
+            except ValueError as e:
+                raise ValueError(f"model.rope_scaling: {e}") from None
+
+
+@dataclass
+class EvalModelConfig:
+    rope_scaling: EvalRopeScaling = field(default_factory=EvalRopeScaling)
 
 
 @dataclass
@@ -66,7 +79,7 @@ class PerplexityConfig:
 
     lengths: list[int] = field(default_factory=list)
     stride: Optional[int] = None
-    n_docs: int = 10
+    n_docs: int = 5
     batch_tokens: int = 16384
 
     def __post_init__(self) -> None:
@@ -158,7 +171,7 @@ class EvalConfig:
 
     run: a training run directory (newest complete checkpoint) or one checkpoint directory.
     scalings: RoPE scalings swept for ppl and passkey, e.g. [none, dynamic:2, dynamic:4];
-      empty: just `model.rope_scaling` (or the trained setting).
+      empty: just `model.rope_scaling` (type null: the trained setting).
     sources/split: the evaluation corpus; empty sources: the run's training sources.
     out_dir: where results go; null: <run>/eval.
     """

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from data.documents import long_documents
 from eval import report
-from eval.__main__ import main
+from eval.__main__ import compose_config, main
 from train.export import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +113,7 @@ def check_one_line_error(run: Path, out: Path, capsys, overrides: list[str], mes
         (["scalings=[dynamic]"], "write type:factor"),
         (["tsk=ppl"], "Key 'tsk' not in 'EvalConfig'"),
         (["ppl.lengths=[0]"], "ppl.lengths: 0 must be >= 1"),
+        (["model.rope_scaling.type=dyn"], "model.rope_scaling: scaling 'dyn:1.0': type 'dyn' is not one of"),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path, capsys, overrides, message):
@@ -137,7 +139,15 @@ def test_empty_run_dir_is_a_clear_error(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_ppl_is_finite_and_json_keeps_inf(run, tmp_path):
-    results = evaluate(run, tmp_path, "task=ppl", f"ppl.lengths=[{L0}]", "ppl.n_docs=1")
+def test_single_scaling_from_model_rope_scaling(run, tmp_path):
+    results = evaluate(run, tmp_path, "task=ppl", f"ppl.lengths=[{L0},{4 * L0}]", "ppl.n_docs=1",
+                       "model.rope_scaling.type=dynamic", "model.rope_scaling.factor=4")
+    rows = json.loads((tmp_path / "ppl.json").read_text())["rows"]
+    assert [(r["scaling"], r["length"], r["stride"]) for r in rows] == [("dynamic:4", L0, L0), ("dynamic:4", 4 * L0, L0)]
     assert all(math.isfinite(r["ppl"]) for r in results["ppl"]["rows"])
-    assert json.loads((tmp_path / "ppl.json").read_text())["rows"][0]["stride"] == L0
+
+
+def test_rope_scaling_override_composes():
+    cfg = OmegaConf.to_object(compose_config(["run=x", "model.rope_scaling.type=yarn", "model.rope_scaling.factor=8"]))
+    assert (cfg.model.rope_scaling.type, cfg.model.rope_scaling.factor) == ("yarn", 8.0)
+    assert OmegaConf.to_object(compose_config(["run=x"])).model.rope_scaling.type is None

@@ -8,7 +8,6 @@ import random
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

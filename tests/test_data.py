@@ -17,7 +17,7 @@ from data.config import DataConfig, SourceConfig, TokenizerConfig
 from data.documents import count_long_documents, long_documents
 from data.loader import build_loader
 from data.prepare import prepare
-from data.sources import open_source, source_files, split_of
+from data.sources import open_source, source_files, split_of, text_of
 from data.tokenizer import Tokenizer, get_tokenizer
 from data.tokenizer import main as tokenizer_cli
 
@@ -107,6 +107,22 @@ def test_files_without_split_placeholder_are_split_by_path_hash(tmp_path, monkey
     assert all(splits.values())
     monkeypatch.chdir(tmp_path.parent)  # the assignment does not depend on the working directory
     assert {s: source_files(cfg.sources[0], s, cfg) for s in splits} == splits
+
+
+def test_file_formats_and_text_field(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "train").mkdir()
+    pq.write_table(pa.table({"content": ["a doc", "another doc"], "n": [1, 2]}), tmp_path / "train" / "x.parquet")
+    (tmp_path / "train" / "y.json").write_text(json.dumps([{"content": "j1"}, {"content": "j2"}]))
+    (tmp_path / "train" / "z.txt").write_text("one whole\nfile\n")
+    expected = {"parquet": ["a doc", "another doc"], "json": ["j1", "j2"], "txt": ["one whole\nfile\n"]}
+    for ext, texts in expected.items():
+        src = SourceConfig(kind="files", path=str(tmp_path / "{split}" / f"*.{ext}"),
+                           text_field="text" if ext == "txt" else "content")
+        cfg = DataConfig(sources=[src])
+        assert [text_of(e, src) for e in open_source(src, "train", cfg, seed=0)] == texts
 
 
 # --- tokenizer ----------------------------------------------------------------------------------

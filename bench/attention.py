@@ -13,7 +13,8 @@ buffer, softmax).
 
 Memory is the peak growth beyond the inputs: on GPU `torch.cuda.max_memory_allocated`; on CPU the
 growth of the peak resident set (ru_maxrss) of a fresh subprocess per case, measured on the first
-run (later runs reuse freed memory). Time is the median of `--repeats` runs after a warm-up.
+run (later runs reuse freed memory). Time is the best of `--repeats` runs after a warm-up (the
+least disturbed by other work on a shared machine).
 Cases whose N x N tensors would exceed `--max-gib` are skipped and shown as "-".
 """
 
@@ -23,7 +24,6 @@ import argparse
 import json
 import math
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -122,7 +122,7 @@ def run_case(variant: str, n: int, args) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return dict(time=statistics.median(times), peak=peak)
+    return dict(time=min(times), peak=peak)
 
 
 def measure(variant: str, n: int, args) -> dict | None:

@@ -87,12 +87,14 @@ def coca_strict_qk(q, t, rope: RopeTables):
     Pair j of q_eff holds (|q_j|^2, 0) rotated by m and pair j of k_eff holds (t_j, 0) rotated by n,
     so their dot product is |q_j|^2 t_j cos((m - n) theta_j): purely relative.
     """
-    half = rope[0].shape[-1] // 2
+    cos, sin = rope
+    half = cos.shape[-1] // 2
     r = 2 * half
+    cos, sin = cos[..., :half], sin[..., :half]  # rope([x, 0]) = [x cos, x sin]
     sq = q[..., :half] ** 2 + q[..., half:r] ** 2
-    q_eff = apply_rope(torch.cat((sq, torch.zeros_like(sq), q[..., r:] ** 2), dim=-1), rope)
     th = t[..., :half]
-    k_eff = apply_rope(torch.cat((th, torch.zeros_like(th), t[..., r:]), dim=-1), rope)
+    q_eff = torch.cat((sq * cos, sq * sin, q[..., r:] ** 2), dim=-1)
+    k_eff = torch.cat((th * cos, th * sin, t[..., r:]), dim=-1)
     return q_eff, k_eff
 
 

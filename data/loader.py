@@ -7,6 +7,7 @@ from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data.config import DataConfig, check_split
+from data.prepare import TokenCursor
 from data.sources import check_source, open_source
 from data.stream import PackedStream
 from data.tokenizer import Tokenizer
@@ -43,8 +44,11 @@ def build_loader(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: 
         raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-    for src in cfg.sources:
-        check_source(src, split, cfg)
+    for src in cfg.sources:  # clear errors here, in the main process, rather than in a worker
+        if src.kind == "tokens":
+            TokenCursor(src, tokenizer, split=split, seed=cfg.seed, index=0, consumers=1, infinite=False)
+        else:
+            check_source(src, split, cfg)
     _check_shards(cfg, split, rank, world_size)
     stream = PackedStream(cfg, tokenizer, split=split, seq_len=seq_len, rank=rank, world_size=world_size)
     return StatefulDataLoader(

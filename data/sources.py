@@ -162,9 +162,7 @@ def text_of(example: dict, src: SourceConfig) -> str:
 
 
 def check_source(src: SourceConfig, split: str, cfg: DataConfig) -> None:
-    """Fail early, in the main process, on a missing path, an empty corpus or a missing field."""
-    if src.kind == "tokens":
-        return
+    """Fail early on a missing path, an empty corpus or a missing text field."""
     ds = open_source(src, split, cfg, seed=cfg.seed)
     for example in ds:
         if text_of(example, src):

@@ -506,7 +506,18 @@ def test_prepared_two_ranks_two_workers_partition_blocks(tok, prepared):
 def test_token_source_rejects_other_tokenizer(tok, prepared, tmp_path):
     other = get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=400, sample_docs=30), cache_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="tokenized with another tokenizer"):
-        _take(build_loader(prepared, other, split="train", seq_len=15, batch_size=2), 1)
+        build_loader(prepared, other, split="train", seq_len=15, batch_size=2)
+    missing = DataConfig(sources=[SourceConfig(kind="tokens", path=str(tmp_path / "none"))])
+    with pytest.raises(FileNotFoundError, match=r"source tokens:.*none: no meta.json; run `python -m data.prepare"):
+        build_loader(missing, tok, split="train", seq_len=15, batch_size=2)
+
+
+def test_mixture_of_text_and_token_sources_resumes(tok, corpus, prepared):
+    root, _ = corpus
+    cfg = _cfg(root, shuffle_buffer=3)
+    cfg.sources = [cfg.sources[0], SourceConfig(kind="tokens", path=prepared.sources[0].path, weight=0.5)]
+    make = lambda: build_loader(cfg, tok, split="train", seq_len=15, batch_size=4)
+    _assert_same(_resumed(make, [5, 6, 19], 40), _take(make(), 40))
 
 
 def test_train_epochs_repeat_documents_in_a_new_order(tok, corpus):

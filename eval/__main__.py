@@ -36,6 +36,7 @@ from train.checkpoint import CheckpointError, find_checkpoint
 from train.config import CONF_DIR, TrainConfig
 from train.export import load_model
 
+
 class EvalError(Exception):
     """A problem with the user's input, reported as one line."""
 

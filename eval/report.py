@@ -228,7 +228,7 @@ def _header(results: dict[str, dict], prefix: str) -> str:
     m = metas[0]
     return (
         f"# Evaluation: {prefix or m['label']}\n\n"
-        f"run `{m['run']}`, attention {m['label']}, training length {m['train_len']}, "
+        f"run `{m['run']}`, attention {m['label']}, training length {m['train_len'] or 'various'}, "
         f"step {m.get('step')}, evaluated on {m.get('source')}\n\n"
     )
 
@@ -280,8 +280,11 @@ def compare(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, list[Path]]:
             for key in ("modes", "length", "sigma", "window"):
                 if key in r:
                     m.setdefault(key, r[key])
+    train_lens = {r["meta"]["train_len"] for _, _, results in loaded for r in results.values()}
+    train_len = train_lens.pop() if len(train_lens) == 1 else None  # no single line to draw otherwise
     for m in merged.values():
-        m["meta"] = {**m["meta"], "label": ", ".join(labels), "run": ", ".join(map(str, run_dirs))}
+        m["meta"] = {**m["meta"], "label": ", ".join(labels), "run": ", ".join(map(str, run_dirs)),
+                     "train_len": train_len}
     return render(merged, out_dir, prefix="comparison of " + ", ".join(labels), stem="compare_")
 
 

@@ -128,8 +128,8 @@ def test_attention_statistics_numbers_layers_from_one():
 # ----------------------------------------------------------------------------- reports
 
 
-def _fake_run(eval_dir: Path, label: str, ppl_at_2x: float) -> None:
-    meta = {"run": str(eval_dir.parent), "label": label, "train_len": 64, "step": 10, "source": "stdlib"}
+def _fake_run(eval_dir: Path, label: str, ppl_at_2x: float, train_len: int = 64) -> None:
+    meta = {"run": str(eval_dir.parent), "label": label, "train_len": train_len, "step": 10, "source": "stdlib"}
     ppl_rows = [
         {"scaling": s, "length": L, "stride": 64, "nll": 1.0, "tokens": 1, "documents": 1, "loss": 1.0, "ppl": p}
         for s, f in [("none", 1.0), ("dynamic:4", 0.5)]
@@ -184,6 +184,15 @@ def test_compare_runs_one_line_per_run_and_scaling(tmp_path, capsys):
     assert {r["label"] for r in rows} == {"origin", "origin + dynamic:4", "coca-slack", "coca-slack + dynamic:4"}
     for name in ["compare_ppl.png", "compare_passkey.png", "compare_attention_scores.png"]:
         assert (out / name).stat().st_size > 0
+    assert "training length 64," in md
+
+
+def test_compare_runs_of_different_training_lengths(tmp_path):
+    _fake_run(tmp_path / "a" / "eval", "origin", 12.5, train_len=64)
+    _fake_run(tmp_path / "b" / "eval", "origin", 11.0, train_len=128)
+    assert report.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
+    md = (tmp_path / "cmp" / "compare_report.md").read_text()
+    assert "training length various," in md and "| a (origin) | 10 | 12.5 | inf |" in md
 
 
 def test_compare_missing_results_is_a_clear_error(tmp_path, capsys):

@@ -13,8 +13,8 @@ buffer, softmax).
 
 Memory is the peak growth beyond the inputs: on GPU `torch.cuda.max_memory_allocated`; on CPU the
 growth of the peak resident set (ru_maxrss) of a fresh subprocess per case, measured on the first
-run (later runs reuse freed memory). Time is the best of `--repeats` runs after a warm-up (the
-least disturbed by other work on a shared machine).
+run (later runs reuse freed memory). Time is the best of `--repeats` runs after a warm-up, the
+variants timed round-robin in one process (fair on a shared machine).
 Cases whose N x N tensors would exceed `--max-gib` are skipped and shown as "-".
 """
 
@@ -97,44 +97,57 @@ def make_step(variant: str, n: int, args):
     return step
 
 
-def run_case(variant: str, n: int, args) -> dict:
-    """Time (median seconds) and peak extra memory (bytes) of one case in this process."""
+def peak_memory(variant: str, n: int, args) -> int:
+    """Peak extra memory (bytes) of one run of a case, beyond its inputs and the layer."""
     if args.device == "cuda":
         step = make_step(variant, n, args)
         step()  # warm-up (compiles FlexAttention for ALiBi)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         step()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        # Warm up the same code on small inputs first (library start-up buffers; for ALiBi in eval
-        # mode, compiling FlexAttention for static and then dynamic shapes), so that the peak
-        # resident-set growth of the first full-size run is the case's own memory.
-        warm_lengths = (64, 1024, 2048) if variant == "alibi" and args.mode == "eval" else (64,)
-        for warm in warm_lengths:
-            make_step(variant, warm, args)()
-        step = make_step(variant, n, args)
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        step()
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
-    times = []
+        return torch.cuda.max_memory_allocated() - base
+    # CPU, in a fresh worker process: warm up the same code on small inputs first (library start-up
+    # buffers; for ALiBi in eval mode, compiling FlexAttention for static and then dynamic shapes),
+    # so that the peak resident-set growth of the first full-size run is the case's own memory.
+    warm_lengths = (64, 1024, 2048) if variant == "alibi" and args.mode == "eval" else (64,)
+    for warm in warm_lengths:
+        make_step(variant, warm, args)()
+    step = make_step(variant, n, args)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+
+
+def best_times(variants: list[str], n: int, args) -> dict[str, float]:
+    """Best-of-repeats seconds per variant, timed round-robin in one process so that load from
+    other work on a shared machine falls on all variants alike."""
+    steps = {v: make_step(v, n, args) for v in variants}
+    for step in steps.values():
+        step()  # warm-up
+    best = dict.fromkeys(variants, math.inf)
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return dict(time=min(times), peak=peak)
+        for variant, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[variant] = min(best[variant], time.perf_counter() - start)
+    return best
 
 
-def measure(variant: str, n: int, args) -> dict | None:
-    if materialised_bytes(variant, n, args) > args.max_gib * 2**30:
-        return None
-    if args.device == "cuda":
-        return run_case(variant, n, args)
-    cmd = [sys.executable, "-m", "bench.attention", "--worker", variant, str(n)] + worker_flags(args)
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{variant} at N={n} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def measure(n: int, args) -> dict[str, dict]:
+    """{variant: {time, peak}} at length n, for the variants that fit in --max-gib."""
+    variants = [v for v in args.variants if materialised_bytes(v, n, args) <= args.max_gib * 2**30]
+    peaks = {}
+    for variant in variants:
+        if args.device == "cuda":
+            peaks[variant] = peak_memory(variant, n, args)
+            continue
+        cmd = [sys.executable, "-m", "bench.attention", "--worker", variant, str(n)] + worker_flags(args)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{variant} at N={n} failed:\n{done.stderr[-2000:]}")
+        peaks[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+    times = best_times(variants, n, args)
+    return {v: dict(time=times[v], peak=peaks[v]) for v in variants}
 
 
 def worker_flags(args) -> list[str]:
@@ -187,15 +200,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.worker:
-        print(json.dumps(run_case(args.worker[0], int(args.worker[1]), args)))
+        print(json.dumps(peak_memory(args.worker[0], int(args.worker[1]), args)))
         return
     name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# attention {args.mode}: B={args.batch} H={args.heads} D={args.head_dim} {args.dtype} on {name}")
     results = {}
     for n in args.lengths:
-        for variant in args.variants:
-            results[(variant, n)] = measure(variant, n, args)
-            print(f"  N={n} {variant}: {results[(variant, n)]}", file=sys.stderr, flush=True)
+        for variant, r in measure(n, args).items():
+            results[(variant, n)] = r
+            print(f"  N={n} {variant}: {r}", file=sys.stderr, flush=True)
     print(table(results, args.lengths, args.variants))
 
 

@@ -219,6 +219,14 @@ def test_forced_nan_stops_with_a_clear_error(cache, tmp_path):
     assert "non-finite training loss at step 3" in error_line(result)
 
 
+def test_forced_nan_is_skipped_when_configured(cache, tmp_path):
+    run_dir = tmp_path / "run"
+    result = ok(train(run_dir, cache, "debug.nan_at_step=3", "nonfinite=skip", "max_steps=5", "eval_every=5"))
+    assert "skipped a batch with a non-finite loss at step 3" in result.stderr
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5]
+    assert records(run_dir)[-2]["skipped"] == 1
+
+
 def test_bad_override_exits_with_one_line(cache, tmp_path):
     result = train(tmp_path / "run", cache, "optim.lr=fast")
     assert result.returncode == 2

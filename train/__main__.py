@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
         return 0
 
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed's detection warning
     from train import distributed as dist
     from train.checkpoint import CheckpointError
     from train.loop import NonFiniteLossError, run

@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -37,6 +38,9 @@ from train.schedule import lr_at
 
 class NonFiniteLossError(Exception):
     """The training loss became NaN or infinite."""
+
+
+MAX_CONSECUTIVE_SKIPS = 20  # with nonfinite=skip: a run that only produces NaN still stops
 
 
 class _StopRequest:
@@ -131,6 +135,7 @@ class _BlockLog:
 def run(cfg: TrainConfig) -> int:
     """Train as configured; returns the process exit code (0, or 128 + signal after a stop request)."""
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata on torch 2.13
     run_dir = Path(cfg.run_dir)
     rank, world = dist.rank(), dist.world_size()
     seq_len = cfg.model.max_seq_len
@@ -193,6 +198,8 @@ def run(cfg: TrainConfig) -> int:
     stop = _StopRequest()
     exit_code = 0
     batches = iter(loader)
+    nan_pending = cfg.debug.nan_at_step  # injected once, into the first micro-batch of that step
+    consecutive_skips = 0
     window_start, window_tokens = time.perf_counter(), progress.tokens
     try:
         while progress.step < cfg.max_steps:
@@ -203,12 +210,19 @@ def run(cfg: TrainConfig) -> int:
                     blocks.write(progress.step + 1, batch)
                 batch = batch.to(engine.device)
                 loss = engine(batch[:, :-1], batch[:, 1:])
-                if progress.step + 1 == cfg.debug.nan_at_step:
-                    loss = loss * float("nan")
+                if progress.step + 1 == nan_pending:
+                    loss, nan_pending = loss * float("nan"), -1
                 if cfg.nonfinite == "skip" and dist.all_reduce([float(not torch.isfinite(loss))], op="max")[0]:
                     progress.skipped += 1
+                    consecutive_skips += 1
                     reporter.message(f"skipped a batch with a non-finite loss at step {progress.step + 1}")
+                    if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+                        raise NonFiniteLossError(
+                            f"{consecutive_skips} consecutive batches gave a non-finite loss at step "
+                            f"{progress.step + 1}; stopping (lower optim.lr?)"
+                        )
                     continue
+                consecutive_skips = 0
                 engine.backward(loss)
                 if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
                     pre_step_norm = _grad_norm(engine.module)

@@ -12,8 +12,9 @@ N x N score matrix (`contract('bpnd,bpsd,bpnd->bpns', q, rope(t), rope(q))`, a b
 buffer, softmax).
 
 Memory is the peak growth beyond the inputs: on GPU `torch.cuda.max_memory_allocated`; on CPU the
-growth of the peak resident set (ru_maxrss) of a fresh subprocess per case, measured on the first
-run (later runs reuse freed memory). Time is the best of `--repeats` runs after a warm-up, the
+growth of the peak resident set over one run in a fresh subprocess per case, after resetting the
+kernel's peak mark (Linux `/proc/self/clear_refs`; the import of torch alone peaks higher than many
+cases). Time is the best of `--repeats` runs after a warm-up, the
 variants timed round-robin in one process (fair on a shared machine).
 Cases whose N x N tensors would exceed `--max-gib` are skipped and shown as "-".
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import subprocess
 import sys
 import time
@@ -108,14 +108,31 @@ def peak_memory(variant: str, n: int, args) -> int:
         return torch.cuda.max_memory_allocated() - base
     # CPU, in a fresh worker process: warm up the same code on small inputs first (library start-up
     # buffers; for ALiBi in eval mode, compiling FlexAttention for static and then dynamic shapes),
-    # so that the peak resident-set growth of the first full-size run is the case's own memory.
+    # then reset the kernel's peak-RSS mark (VmHWM) and read its growth over one full-size run.
     warm_lengths = (64, 1024, 2048) if variant == "alibi" and args.mode == "eval" else (64,)
     for warm in warm_lengths:
         make_step(variant, warm, args)()
     step = make_step(variant, n, args)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = reset_peak_rss()
     step()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+    return peak_rss() - base
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def reset_peak_rss() -> int:
+    """Reset the process's peak resident set to the current one (Linux) and return it in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int:
+    return _status_bytes("VmHWM")
 
 
 def best_times(variants: list[str], n: int, args) -> dict[str, float]:

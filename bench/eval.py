@@ -6,8 +6,10 @@ Each cell runs in a fresh process (peak memory is per process): the `tiny` model
 speed and memory do not depend on training) reads one window of L tokens the way each task does:
 - ppl: `token_losses` (LM head in chunks, no [T, V] logits), as the sliding-window perplexity;
 - passkey: the teacher-forced forward (full [T, V] logits, argmax over the key).
-Columns: tokens/s of the forward, peak memory (CPU: process peak RSS; GPU: peak allocated), and
-the peak's growth over the loaded model. The machine may be shared: compare rows of one run.
+Columns: tokens/s of the forward, peak memory (CPU: the process's peak RSS, imports included;
+GPU: peak allocated), and growth: that peak minus the peak once the model is loaded (on CPU an
+under-estimate if the forward needs less than the import peak). The machine may be shared:
+compare rows of one run.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ measurement runs in its own process (so peak memory is per model) and the two im
 alternate, best of `--rounds`, because a shared machine is noisy. On a GPU it also reports the MFU
 of the `350m` model at 512 tokens, from the same FLOPs count and peak table the trainer logs.
 
-    python bench/train.py                      # tiny and 125m, CPU or GPU
-    python bench/train.py --flavors tiny --steps 5 --rounds 3
+    python -m bench.train                      # tiny and 125m, CPU or GPU (or: python bench/train.py)
+    python -m bench.train --flavors tiny --steps 5 --rounds 3
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+# Run as a script, bench/ would come first on the path and this file would shadow the `train` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402

@@ -46,18 +46,28 @@ def count_long_documents(cfg: DataConfig, tokenizer: Tokenizer, thresholds: list
     return {t: sum(n >= t for n in lengths) for t in thresholds}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """`python -m data.documents [split] [key=value ...]`: long-document counts of a data config."""
-    import sys
+    import argparse
+
+    from omegaconf.errors import OmegaConfBaseException
 
     from data.tokenizer import config_from_overrides, get_tokenizer
 
-    args = sys.argv[1:]
-    split = args.pop(0) if args and "=" not in args[0] else "test"
-    cfg = config_from_overrides(args, None)
-    counts = count_long_documents(cfg, get_tokenizer(cfg), [4096, 8192, 16384, 32768, 65536], split)
+    parser = argparse.ArgumentParser(prog="python -m data.documents", description=main.__doc__.split(": ")[1])
+    parser.add_argument("split", nargs="?", default="test", help="train | val | test (default: test)")
+    parser.add_argument("overrides", nargs="*", help="DataConfig overrides, e.g. tokenizer.vocab_size=8192")
+    args = parser.parse_args(argv)
+    if "=" in args.split:  # no split given: the first argument is an override
+        args.overrides.insert(0, args.split)
+        args.split = "test"
+    try:
+        cfg = config_from_overrides(args.overrides, None)
+        counts = count_long_documents(cfg, get_tokenizer(cfg), [4096, 8192, 16384, 32768, 65536], args.split)
+    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
+        parser.exit(2, f"error: {e}\n")
     for t, n in counts.items():
-        print(f"{split}: {n} documents with >= {t} tokens")
+        print(f"{args.split}: {n} documents with >= {t} tokens")
 
 
 if __name__ == "__main__":

@@ -26,12 +26,7 @@ from model.rope import Rope
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def single_thread():  # tiny ops: thread start-up costs more than it saves on a shared CPU
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---- references ----------------------------------------------------------------------------------

@@ -14,12 +14,7 @@ VARIANTS = [("origin", "slack"), ("alibi", "slack"), ("coca", "slack"), ("coca",
 IDS = ["origin", "alibi", "coca-slack", "coca-strict"]
 
 
-@pytest.fixture(autouse=True)
-def single_thread():  # tiny ops: thread start-up costs more than it saves on a shared CPU
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def small(attention="origin", coca_form="slack", **overrides) -> GPT:

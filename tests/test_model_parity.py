@@ -6,12 +6,7 @@ import torch
 from model import GPT, ModelConfig
 
 
-@pytest.fixture(autouse=True)
-def single_thread():  # tiny ops: thread start-up costs more than it saves on a shared CPU
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def hf_to_ours(hf_state: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor]:

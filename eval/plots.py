@@ -31,15 +31,34 @@ def _k(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _line_styles(labels: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Colour by model, line style by scaling, for labels `model` or `model + scaling`."""
+    models: dict[str, str] = {}
+    scalings: dict[str, str] = {}
+    styles = {}
+    for label in labels:
+        model, _, scaling = label.partition(" + ")
+        color = models.setdefault(model, f"C{len(models) % 10}")
+        style = scalings.setdefault(scaling, LINESTYLES[len(scalings) % len(LINESTYLES)])
+        styles[label] = (color, style)
+    return styles
+
+
 def plot_lines(series: Series, path: Path, ylabel: str, title: str, train_len: int | None, log_y: bool) -> Path:
     """One line per label against length (log2 x-axis); non-finite values are x marks on the top edge."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     all_lengths: list[int] = []
+    styles = _line_styles(list(series))
     for label, (lengths, values) in series.items():
         pts = [(x, y) for x, y in zip(lengths, values) if np.isfinite(y)]
         off = [x for x, y in zip(lengths, values) if not np.isfinite(y)]
         all_lengths += list(lengths)
-        line = ax.plot(*zip(*pts), marker="o", label=label) if pts else ax.plot([], [], label=label)
+        color, style = styles[label]
+        line = (ax.plot(*zip(*pts), marker="o", color=color, linestyle=style, label=label) if pts
+                else ax.plot([], [], color=color, linestyle=style, label=label))
         if off:  # inf / nan: an x on the top edge
             ax.plot(off, [1.0] * len(off), "x", color=line[0].get_color(), transform=ax.get_xaxis_transform(), clip_on=False)
     _length_axis(ax, all_lengths, train_len)
@@ -49,7 +68,7 @@ def plot_lines(series: Series, path: Path, ylabel: str, title: str, train_len: i
         ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

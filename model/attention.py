@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .rope import RopeTables, apply_rope
@@ -130,23 +131,29 @@ def alibi_attention(q, k, v) -> torch.Tensor:
 
 
 def _chunked_alibi(q, k, v) -> torch.Tensor:
+    """SDPA over chunks of query rows with an additive ALiBi bias [H, rows, keys].
+
+    With gradients, each chunk is recomputed in the backward pass (activation checkpointing), so
+    autograd keeps no per-chunk bias or probabilities: memory stays O(chunk x N), not O(N^2).
+    """
     tq, tk = q.shape[-2], k.shape[-2]
     slopes = alibi_slopes(q.shape[1]).to(q.device)[:, None, None]  # float64: exact bias
     offset = tk - tq
-    keys = torch.arange(tk, device=q.device)
-    masked = torch.finfo(q.dtype).min
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     out = []
     for start in range(0, tq, ALIBI_CHUNK):
         end = min(tq, start + ALIBI_CHUNK)
-        m = torch.arange(offset + start, offset + end, device=q.device)[:, None]
-        n = keys[None, : offset + end]  # later keys are all masked for this chunk
-        bias = (-slopes * (m - n)).to(q.dtype).masked_fill(n > m, masked)
-        out.append(
-            F.scaled_dot_product_attention(
-                q[..., start:end, :], k[..., : offset + end, :], v[..., : offset + end, :], attn_mask=bias
-            )
-        )
+        args = (q[..., start:end, :], k[..., : offset + end, :], v[..., : offset + end, :], slopes, offset + start)
+        out.append(checkpoint(_alibi_rows, *args, use_reentrant=False) if grad else _alibi_rows(*args))
     return torch.cat(out, dim=-2)
+
+
+def _alibi_rows(q, k, v, slopes: torch.Tensor, first: int) -> torch.Tensor:
+    """Attention of query rows at positions first.. over keys 0..first+rows-1 (later keys are masked)."""
+    m = torch.arange(first, first + q.shape[-2], device=q.device)[:, None]
+    n = torch.arange(k.shape[-2], device=q.device)[None, :]
+    bias = (-slopes * (m - n)).to(q.dtype).masked_fill(n > m, torch.finfo(q.dtype).min)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
 @functools.cache

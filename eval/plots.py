@@ -86,7 +86,7 @@ def plot_passkey(series: Series, path: Path, train_len: int | None = None) -> Pa
 def plot_passkey_depth(grids: Mapping[str, tuple[list[int], list[float], np.ndarray]], path: Path) -> Path:
     """Accuracy heatmaps (depth rows x length columns), one panel per label."""
     n = len(grids)
-    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 4), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(4.5 * n + 1, 4), squeeze=False, layout="constrained")
     for ax, (label, (lengths, depths, acc)) in zip(axes[0], grids.items()):
         im = ax.imshow(acc, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")
         ax.set_xticks(range(len(lengths)), [_k(x) for x in lengths], rotation=45)

@@ -1,10 +1,10 @@
 """Atomic DeepSpeed checkpoints with the client state needed for an exact resume.
 
-Layout of `<run_dir>/checkpoints/step_XXXXXXXX/`: DeepSpeed's files (weights, optimizer and
+Layout of `<run_dir>/checkpoints/step_NNNNNNNN/`: DeepSpeed's files (weights, optimizer and
 scheduler state, per ZeRO rank), `client_rank<R>.pt` per rank (step, tokens, data-loader state,
 python/numpy/torch RNG states), `config.yaml` (the resolved run config), `tokenizer.model` and
 `COMPLETE`.
-A checkpoint is written under `.tmp_step_XXXXXXXX/` and renamed once every rank has finished
+A checkpoint is written under `.tmp_step_NNNNNNNN/` and renamed once every rank has finished
 and the `COMPLETE` marker is on disk, so a write killed half-way is never visible.
 """
 

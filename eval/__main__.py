@@ -33,7 +33,7 @@ from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_p
 from eval.wandb_log import log_to_wandb
 from model import GPT
 from train.checkpoint import CheckpointError, find_checkpoint
-from train.config import CONF_DIR, TrainConfig
+from train.config import CONF_DIR, TrainConfig, one_line
 from train.export import load_model
 
 
@@ -218,17 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     for task, paths in written.items():
         print(f"{task}: " + ", ".join(str(p) for p in paths))
     return 0
-
-
-def one_line(error: BaseException) -> str:
-    """The first line of the root cause (Hydra and OmegaConf wrap errors and append hints)."""
-    cause = error
-    while cause.__cause__ is not None and isinstance(cause, (HydraException, OmegaConfBaseException)):
-        cause = cause.__cause__
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    message = lines[0] if lines else type(cause).__name__
-    key = getattr(cause, "full_key", None)
-    return f"{key}: {message}" if key and key not in message else message
 
 
 if __name__ == "__main__":

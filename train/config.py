@@ -210,11 +210,11 @@ def compose(overrides: list[str]) -> DictConfig:
             return hydra_compose(config_name="config", overrides=overrides)
     except MissingConfigException as error:
         options = ", ".join(error.options or [])
-        raise ConfigError(f"{_one_line(error)} (available: {options})" if options else _one_line(error)) from None
+        raise ConfigError(f"{one_line(error)} (available: {options})" if options else one_line(error)) from None
     except OverrideParseException as error:
-        raise ConfigError(f"{_one_line(error)}: write key=value") from None
+        raise ConfigError(f"{one_line(error)}: write key=value") from None
     except (HydraException, OmegaConfBaseException, ValueError) as error:
-        raise ConfigError(_one_line(error)) from None
+        raise ConfigError(one_line(error)) from None
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
@@ -224,17 +224,15 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
         plain = OmegaConf.to_container(cfg, resolve=False)
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), plain))
     except (OmegaConfBaseException, ValueError, TypeError) as error:
-        raise ConfigError(_one_line(error)) from None
+        raise ConfigError(one_line(error)) from None
 
 
-def _one_line(error: BaseException) -> str:
-    """The first meaningful line of a Hydra/OmegaConf error (they append context and hints)."""
+def one_line(error: BaseException) -> str:
+    """The first line of the root cause (Hydra and OmegaConf wrap errors and append hints)."""
     cause = error
-    while cause.__cause__ is not None and isinstance(cause, HydraException):
+    while cause.__cause__ is not None and isinstance(cause, (HydraException, OmegaConfBaseException)):
         cause = cause.__cause__
     lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
     message = lines[0] if lines else type(cause).__name__
     key = getattr(cause, "full_key", None)
-    if key and key not in message:
-        message = f"{key}: {message}"
-    return message
+    return f"{key}: {message}" if key and key not in message else message

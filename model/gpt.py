@@ -17,10 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig, RopeScaling
+from .loss import linear_cross_entropy_sum, token_losses
 from .rope import Rope, RopeTables
-
-# Logit elements per LM-head chunk (tokens per chunk = this // vocab_size).
-LOSS_CHUNK_ELEMENTS = 2**23
 
 
 class MLP(nn.Module):
@@ -31,6 +29,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))  # exact (erf) GELU, as GPT-NeoX's "gelu"
+
+
+class LMHead(nn.Linear):
+    """The output projection. Given targets it returns the summed cross entropy instead of logits
+    (chunked, see `model.loss`); going through `__call__` lets ZeRO-3 gather the weight for it."""
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(h)
+        return linear_cross_entropy_sum(h, self.weight, targets)
+
+    def token_losses(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_losses(h, self.weight, targets)
 
 
 class Block(nn.Module):
@@ -81,7 +92,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.rope = (
@@ -136,31 +147,22 @@ class GPT(nn.Module):
         h = self.hidden_states(idx, cache)
         if targets is None:
             return self.lm_head(h)
-        losses = self._chunked_cross_entropy(h, targets)
-        return losses.sum() / (targets != -100).sum()
+        self._check_targets(h, targets)
+        loss = self.lm_head(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
+        return loss / (targets != -100).sum()
 
+    @torch.no_grad()
     def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-token cross entropy [B, T] in float32 (0 where the target is -100)."""
-        return self._chunked_cross_entropy(self.hidden_states(idx), targets).view(targets.shape).float()
+        """Per-token cross entropy [B, T] in float32 (0 where the target is -100); no gradient."""
+        h = self.hidden_states(idx)
+        self._check_targets(h, targets)
+        losses = self.lm_head.token_losses(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
+        return losses.view(targets.shape).float()
 
-    def _chunked_cross_entropy(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross entropy over the LM head a chunk of tokens at a time; no [B, T, V] tensor is kept
-        (under autograd each chunk's logits are recomputed in the backward pass)."""
+    @staticmethod
+    def _check_targets(h: torch.Tensor, targets: torch.Tensor) -> None:
         if targets.shape != h.shape[:2]:
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(h.shape[:2])}")
-        h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        rows = max(1, LOSS_CHUNK_ELEMENTS // self.cfg.vocab_size)
-        grad = torch.is_grad_enabled() and h.requires_grad
-        out = []
-        for start in range(0, h.shape[0], rows):
-            hc, tc = h[start : start + rows], targets[start : start + rows]
-            out.append(checkpoint(self._ce, hc, tc, use_reentrant=False) if grad else self._ce(hc, tc))
-        return torch.cat(out)
-
-    def _ce(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(h)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 -> fp32
-        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
 
     # ---- inference tools -------------------------------------------------------------------------
 

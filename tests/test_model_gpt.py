@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model.gpt as gpt_module
+import model.loss as loss_module
 from model import GPT, KVCache, ModelConfig, RopeScaling
 from model.rope import Rope
 
@@ -72,7 +72,7 @@ def test_dynamic_ntk_changes_only_beyond_training_length():
 
 @pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
 def test_loss_and_token_losses_match_full_logits(attention, form, monkeypatch):
-    monkeypatch.setattr(gpt_module, "LOSS_CHUNK_ELEMENTS", 64 * 7)  # 7 tokens per chunk: 3 chunks
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 64 * 7)  # 7 tokens per chunk: 3 chunks
     model = small(attention, form).train()
     idx, targets = tokens(2, 10, seed=2), tokens(2, 10, seed=3)
     targets[0, 3] = targets[1, 0] = -100

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -239,27 +240,86 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_ranks_zero_1_2_3_agree(cache, tmp_path):
+SHORT = ("batch_size=4", "max_steps=8", "eval_every=8", "ckpt_every=4")
+
+
+def deepspeed_command(run_dir: Path, cache: Path, *overrides: str) -> list[str]:
+    return ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "train",
+            *_command(run_dir, cache, overrides)]
+
+
+def train_two_ranks(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(deepspeed_command(run_dir, cache, *overrides), cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, cache) -> dict[int, Path]:
+    """Uninterrupted 8-step runs on two ranks under ZeRO 1, 2 (no accumulation) and 3 (accumulation 2)."""
+    runs = {}
+    for stage, micro in [(1, 2), (2, 1), (3, 2)]:
+        runs[stage] = tmp_path_factory.mktemp(f"zero{stage}") / "run"
+        ok(train_two_ranks(runs[stage], cache, f"deepspeed=zero{stage}", f"micro_batch_size={micro}", *SHORT))
+    return runs
+
+
+def test_two_ranks_zero_1_2_3_agree(two_ranks, cache, tmp_path):
     """ZeRO partitioning must not change the math: stages 1, 2 and 3 on two ranks (stage 2 also
     with gradient accumulation) give the same losses to 1e-5. Each rank reads its own documents,
     so a one-process run with the same global batch sees other data: its losses agree only
     statistically, within 0.2 nats per step and 0.1 on average over the 8 steps."""
-    short = ("batch_size=4", "max_steps=8", "eval_every=8", "ckpt_every=8")
-    ok(train(tmp_path / "single", cache, *short))
+    ok(train(tmp_path / "single", cache, *SHORT))
     single = losses(tmp_path / "single")
-    runs = {}
-    for stage, micro in [(1, 2), (2, 1), (3, 2)]:
-        run_dir = tmp_path / f"zero{stage}"
-        command = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "train",
-                   *_command(run_dir, cache, (f"deepspeed=zero{stage}", f"micro_batch_size={micro}", *short))]
-        ok(subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT))
-        runs[stage] = losses(run_dir)
+    runs = {stage: losses(run_dir) for stage, run_dir in two_ranks.items()}
+    for stage, run_dir in two_ranks.items():
         assert sorted(runs[stage]) == list(range(1, 9))
-        assert len(complete_checkpoints(run_dir)) == 1
+        assert [p.name for p in complete_checkpoints(run_dir)] == ["step_00000004", "step_00000008"]
     for stage in (2, 3):
         for step in range(1, 9):
             assert runs[stage][step] == pytest.approx(runs[1][step], abs=1e-5), (stage, step)
     gaps = [abs(runs[1][step] - single[step]) for step in range(1, 9)]
     assert max(gaps) < 0.2 and sum(gaps) / len(gaps) < 0.1, (runs[1], single)
-    model, _, _ = load_model(str(tmp_path / "zero3"))  # ZeRO-3 partitions gathered back to fp32
+    model, _, _ = load_model(str(two_ranks[3]))  # ZeRO-3 partitions gathered back to fp32
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def _rank_blocks(run_dir: Path) -> list[list[str]]:
+    return [(run_dir / f"blocks_rank{rank}.jsonl").read_text().splitlines() for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_kill_then_resume(two_ranks, cache, tmp_path, stage):
+    """kill -9 of the launcher and both ranks after step 5, then resume=auto from step 4: the same
+    per-step losses as the uninterrupted run (to 1e-6), and each rank reads the same blocks."""
+    run_dir = tmp_path / "run"
+    micro = {2: 1, 3: 2}[stage]
+    overrides = (f"deepspeed=zero{stage}", f"micro_batch_size={micro}", *SHORT)
+    proc = subprocess.Popen(deepspeed_command(run_dir, cache, *overrides, "debug.step_sleep_s=0.5"), cwd=REPO,
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for_step(proc, run_dir, 5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert complete_checkpoints(run_dir)[-1].name == "step_00000004"
+    result = ok(train_two_ranks(run_dir, cache, *overrides, "resume=auto"))
+    assert "step_00000004" in result.stderr
+    want, got = losses(two_ranks[stage]), losses(run_dir)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), (step, got, want)
+    assert _rank_blocks(run_dir) == _rank_blocks(two_ranks[stage])
+
+
+def test_nan_on_one_rank_is_skipped_by_all_under_zero3(two_ranks, cache, tmp_path):
+    """Rank 0 alone sees a NaN at step 3: both ranks drop that micro-batch, ZeRO-3 carries on."""
+    run_dir = tmp_path / "run"
+    result = ok(train_two_ranks(run_dir, cache, "deepspeed=zero3", "micro_batch_size=2", *SHORT,
+                                "debug.nan_at_step=3", "nonfinite=skip"))
+    assert "skipped a batch with a non-finite loss at step 3" in result.stderr
+    got, want = losses(run_dir), losses(two_ranks[3])
+    assert sorted(got) == list(range(1, 9)) and all(np.isfinite(v) for v in got.values())
+    assert got[1] == want[1] and got[2] == want[2]  # the same run until the skip
+    assert records(run_dir)[-2]["skipped"] == 1
+    assert np.isfinite(val_losses(run_dir)[8])

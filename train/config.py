@@ -121,7 +121,7 @@ class LoggerConfig:
 class DebugConfig:
     """Fault injection for tests of the failure paths (all off by default).
 
-    nan_at_step: make the loss of this (1-based) step NaN.
+    nan_at_step: make rank 0's loss of this (1-based) step NaN (every rank must stop or skip).
     kill_in_checkpoint_at_step: SIGKILL this process half-way through writing that checkpoint.
     step_sleep_s: sleep after each step (lets a test kill a run at a known point).
     log_blocks: write a fingerprint of every training block to `blocks_rank<R>.jsonl`.

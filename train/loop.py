@@ -210,7 +210,7 @@ def run(cfg: TrainConfig) -> int:
                     blocks.write(progress.step + 1, batch)
                 batch = batch.to(engine.device)
                 loss = engine(batch[:, :-1], batch[:, 1:])
-                if progress.step + 1 == nan_pending:
+                if dist.is_main() and progress.step + 1 == nan_pending:  # the other ranks must follow
                     loss, nan_pending = loss * float("nan"), -1
                 if cfg.nonfinite == "skip" and dist.all_reduce([float(not torch.isfinite(loss))], op="max")[0]:
                     progress.skipped += 1

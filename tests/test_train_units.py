@@ -14,7 +14,8 @@ from train.checkpoint import MARKER, CheckpointError, complete_checkpoints, find
 from train.config import ConfigError, OptimConfig, compose, to_train_config
 from train.distributed import strip_local_rank
 from train.engine import deepspeed_config
-from train.metrics import flops_per_token, wandb_mode
+from train.flops import flops_per_token
+from train.metrics import wandb_mode
 from train.schedule import lr_at
 
 

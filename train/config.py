@@ -142,6 +142,8 @@ class TrainConfig:
     resume: null (fresh run), auto (newest complete checkpoint in run_dir, if any) or a path.
     init_from: a run or checkpoint directory whose weights (only) start this run.
     nonfinite: stop (exit with an error) or skip (drop the batch) on a non-finite loss.
+    compile: torch.compile each transformer block (fuses its element-wise work; the first steps
+        take longer while it compiles). Parameter names and checkpoints are unchanged.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -163,6 +165,7 @@ class TrainConfig:
     resume: Optional[str] = None
     init_from: Optional[str] = None
     nonfinite: str = "stop"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "micro_batch_size", "max_steps", "eval_every", "eval_batches",

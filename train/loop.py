@@ -32,7 +32,8 @@ from train import distributed as dist
 from train.config import ConfigError, TrainConfig
 from train.engine import build_engine, deepspeed_config, resolve_precision
 from train.export import TOKENIZER_FILE, fp32_state_dict
-from train.metrics import Reporter, device_peak_flops, flops_per_token, peak_memory_gb
+from train.flops import device_peak_flops, flops_per_token
+from train.metrics import Reporter, peak_memory_gb
 from train.schedule import lr_at
 
 
@@ -157,6 +158,9 @@ def run(cfg: TrainConfig) -> int:
         model.load_state_dict(fp32_state_dict(init_from))
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, cfg.model, world, weights_only=False)
+    if cfg.compile:
+        for block in model.h:
+            block.compile()  # in place: the state dict keeps its names
     engine = build_engine(model, cfg, world)
 
     loader = build_loader(cfg.data, tokenizer, split="train", seq_len=seq_len,

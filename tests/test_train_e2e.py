@@ -243,6 +243,23 @@ def test_compiled_blocks_train_like_eager(reference, cache, tmp_path):
     assert set(model.state_dict()) == set(load_model(str(reference))[0].state_dict())
 
 
+def test_bf16_run_trains_and_exports_fp32(cache, tmp_path):
+    run_dir = tmp_path / "run"
+    ok(train(run_dir, cache, "deepspeed.precision=bf16", "logger.wandb=disabled", "max_steps=20", "eval_every=10"))
+    loss = losses(run_dir)
+    assert sum(loss[s] for s in range(16, 21)) / 5 < sum(loss[s] for s in range(1, 6)) / 5 - 0.3, loss
+    assert json.loads((run_dir / "deepspeed.json").read_text())["bf16"]["enabled"]
+    model, _, _ = load_model(str(run_dir))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only where the device lacks it (the CPU)")
+def test_fp16_on_cpu_is_a_clear_error(cache, tmp_path):
+    result = train(tmp_path / "run", cache, "deepspeed.precision=fp16", "logger.wandb=disabled")
+    assert result.returncode == 1
+    assert "deepspeed.precision=fp16 is not supported on this device (cpu)" in error_line(result)
+
+
 def test_bad_override_exits_with_one_line(cache, tmp_path):
     result = train(tmp_path / "run", cache, "optim.lr=fast")
     assert result.returncode == 2

@@ -13,7 +13,7 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 from train.schedule import scheduler_factory
 
 
@@ -23,6 +23,17 @@ def resolve_precision(precision: str) -> str:
         return precision
     accelerator = get_accelerator()
     return "bf16" if accelerator.device_name() != "cpu" and accelerator.is_bf16_supported() else "fp32"
+
+
+def check_precision_supported(precision: str) -> None:
+    """A clear error, before DeepSpeed's, for a precision this device cannot train in."""
+    accelerator = get_accelerator()
+    supported = {"bf16": accelerator.is_bf16_supported, "fp16": accelerator.is_fp16_supported}
+    if precision in supported and not supported[precision]():
+        raise ConfigError(
+            f"deepspeed.precision={precision} is not supported on this device ({accelerator.device_name()}); "
+            "use deepspeed.precision=auto, fp32 or bf16"
+        )
 
 
 def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
@@ -71,6 +82,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
 def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
     """`deepspeed.initialize` with our optimizer and schedule; returns the engine."""
+    check_precision_supported(resolve_precision(cfg.deepspeed.precision))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=build_optimizer(model, cfg),

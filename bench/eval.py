@@ -5,7 +5,7 @@
 Each cell runs in a fresh process (peak memory is per process): the `tiny` model (random weights:
 speed and memory do not depend on training) reads one window of L tokens the way each task does:
 - ppl: `token_losses` (LM head in chunks, no [T, V] logits), as the sliding-window perplexity;
-- passkey: the teacher-forced forward (full [T, V] logits, argmax over the key).
+- passkey: the teacher-forced forward (LM head on the 6 key positions only, argmax there).
 Columns: tokens/s of the forward, peak memory (CPU: the process's peak RSS, imports included;
 GPU: peak allocated), and growth: that peak minus the peak once the model is loaded (on CPU an
 under-estimate if the forward needs less than the import peak). The machine may be shared:
@@ -53,7 +53,7 @@ def worker(variant: str, length: int, task: str, flavor_name: str, device: str, 
             if task == "ppl":
                 model.token_losses(idx, targets).sum().item()
             else:
-                model(idx)[0, -6:].argmax(-1).tolist()
+                model(idx, logits_to_keep=6)[0].argmax(-1).tolist()
 
     step()  # warm-up (FlexAttention compiles on first use)
     if cuda:

@@ -39,9 +39,9 @@ class TextTokenizer(Protocol):
 
 
 class PasskeyModel(Protocol):
-    """What the scorers need: logits for a batch of ids, and greedy decoding."""
+    """What the scorers need: logits of the last positions of a batch of ids, and greedy decoding."""
 
-    def __call__(self, idx: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, idx: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor: ...
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, greedy: bool = ...) -> torch.Tensor: ...
 
@@ -156,10 +156,11 @@ def _device(model: PasskeyModel) -> torch.device:
 
 @torch.inference_mode()
 def teacher_forced(model: PasskeyModel, case: PasskeyCase) -> list[int]:
-    """Argmax at each answer position given the true prefix (one forward pass)."""
+    """Argmax at each answer position given the true prefix (one forward pass; the LM head runs
+    on the answer positions only, so no [T, V] logits)."""
     idx = torch.tensor([case.tokens[:-1]], device=_device(model))
-    logits = model(idx)
-    return logits[0, case.answer_start - 1 :].argmax(dim=-1).tolist()
+    logits = model(idx, logits_to_keep=len(case.answer))
+    return logits[0].argmax(dim=-1).tolist()
 
 
 @torch.inference_mode()

@@ -141,12 +141,17 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
-        """Logits [B, T, V]; with `targets` [B, T], the mean cross entropy (-100 ignored) instead."""
+        """Logits [B, T, V] (only the last `logits_to_keep` positions' if > 0: the LM head skips
+        the rest); with `targets` [B, T], the mean cross entropy (-100 ignored) instead."""
         h = self.hidden_states(idx, cache)
         if targets is None:
-            return self.lm_head(h)
+            return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
         self._check_targets(h, targets)
         loss = self.lm_head(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
         return loss / (targets != -100).sum()

@@ -99,13 +99,13 @@ class ScriptedLM(nn.Module):
         self.vocab, self.shift = vocab, shift
         self.dummy = nn.Parameter(torch.zeros(1))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         logits = torch.zeros(*idx.shape, self.vocab)
         for b, row in enumerate(idx.tolist()):
             seq = max(self.seqs, key=lambda s: _shared_prefix(s, row))
             for p in range(len(row)):
                 logits[b, p, seq[min(p + self.shift, len(seq) - 1)]] = 1.0
-        return logits
+        return logits[:, -logits_to_keep:] if logits_to_keep > 0 else logits
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, greedy: bool = True) -> torch.Tensor:
         for _ in range(max_new_tokens):

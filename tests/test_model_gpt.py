@@ -92,6 +92,16 @@ def test_loss_and_token_losses_match_full_logits(attention, form, monkeypatch):
     torch.testing.assert_close(per_token, want_tokens.view(2, 10).float())
 
 
+def test_logits_to_keep_is_the_tail_of_the_full_logits():
+    model = small()
+    idx = tokens(2, 12, seed=6)
+    with torch.no_grad():
+        full = model(idx)
+        for keep in (1, 5, 12):
+            torch.testing.assert_close(model(idx, logits_to_keep=keep), full[:, -keep:], rtol=1e-12, atol=1e-12)
+        assert model(idx, logits_to_keep=5).shape == (2, 5, 64)
+
+
 @pytest.mark.parametrize("attention", ["origin", "alibi", "coca"])
 def test_activation_checkpointing_gives_the_same_gradients(attention):
     idx, targets = tokens(2, 9, seed=4), tokens(2, 9, seed=5)

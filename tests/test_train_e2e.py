@@ -23,8 +23,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from model import GPT
 from train.checkpoint import complete_checkpoints
+from train.config import to_train_config
+from train.engine import param_groups
 from train.export import load_model
+from train.schedule import lr_at
 
 pytestmark = pytest.mark.slow
 
@@ -313,6 +317,37 @@ def test_two_ranks_zero_1_2_3_agree(two_ranks, cache, tmp_path):
     assert max(gaps) < 0.2 and sum(gaps) / len(gaps) < 0.1, (runs[1], single)
     model, _, _ = load_model(str(two_ranks[3]))  # ZeRO-3 partitions gathered back to fp32
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_ranks_equal_one_process_on_the_same_global_batches(two_ranks, stage):
+    """The exact check behind the statistical one above: replay each step's global batch (both
+    ranks' blocks, from their logs) through a one-process model in plain PyTorch (same seed and
+    init, AdamW with the run's groups, schedule and clipping). Its losses equal the two-rank run's
+    to 1e-5 at every step, for ZeRO 1, 2 (gradient accumulation 2) and 3."""
+    run_dir = two_ranks[stage]
+    cfg = to_train_config(OmegaConf.load(run_dir / "config.yaml"))
+    steps: dict[int, list[list[int]]] = {}
+    for rank in (0, 1):
+        for line in (run_dir / f"blocks_rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).extend(record["tokens"])
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model).train()
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    logged = losses(run_dir)
+    for step in range(1, cfg.max_steps + 1):
+        batch = torch.tensor(steps[step])
+        assert batch.shape[0] == cfg.batch_size
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step - 1, o, cfg.max_steps)
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert loss.item() == pytest.approx(logged[step], abs=1e-5), (stage, step, loss.item(), logged[step])
 
 
 def _rank_blocks(run_dir: Path) -> list[list[str]]:

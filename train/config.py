@@ -124,7 +124,7 @@ class DebugConfig:
     nan_at_step: make rank 0's loss of this (1-based) step NaN (every rank must stop or skip).
     kill_in_checkpoint_at_step: SIGKILL this process half-way through writing that checkpoint.
     step_sleep_s: sleep after each step (lets a test kill a run at a known point).
-    log_blocks: write a fingerprint of every training block to `blocks_rank<R>.jsonl`.
+    log_blocks: write every training block (fingerprint and tokens) to `blocks_rank<R>.jsonl`.
     """
 
     nan_at_step: int = -1

@@ -118,7 +118,8 @@ def _grad_norm(model: torch.nn.Module) -> float:
 
 
 class _BlockLog:
-    """Debug: a fingerprint of every training block, to prove none is repeated or skipped on resume."""
+    """Debug: every training block (a fingerprint and its tokens), to prove none is repeated or
+    skipped on resume, and to replay the run's global batches in a test."""
 
     def __init__(self, run_dir: Path, resumed_step: int):
         self.path = run_dir / f"blocks_rank{dist.rank()}.jsonl"
@@ -129,7 +130,7 @@ class _BlockLog:
 
     def write(self, step: int, batch: torch.Tensor) -> None:
         hashes = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16] for row in batch.cpu()]
-        self.file.write(json.dumps({"step": step, "blocks": hashes}) + "\n")
+        self.file.write(json.dumps({"step": step, "blocks": hashes, "tokens": batch.tolist()}) + "\n")
         self.file.flush()
 
 

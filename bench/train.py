@@ -63,8 +63,7 @@ class Trainee:
         cfg = flavor(name, max_seq_len=seq_len, vocab_size=vocab)
         self.model = (GPT(cfg) if impl == "ours" else hf_model(cfg)).to(self.device).train()
         if compile and impl == "ours":
-            for block in self.model.h:
-                block.compile()  # as the trainer's compile=true
+            self.model.compile_blocks()  # as the trainer's compile=true
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95))
         self.data = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=self.device)
         self.step()
@@ -107,11 +106,9 @@ def measure_memory(impl: str, name: str, batch: int, seq_len: int, vocab: int, c
     trainee = Trainee(impl, name, batch, seq_len, vocab, compile)
     if trainee.cuda:
         torch.cuda.reset_peak_memory_stats()
-        trainee.timed_step()
-        queue.put(torch.cuda.max_memory_allocated() / 2**20)
-    else:
-        trainee.timed_step()
-        queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline)
+    trainee.timed_step()
+    queue.put(torch.cuda.max_memory_allocated() / 2**20 if trainee.cuda
+              else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - baseline)
 
 
 def in_process(target, *args):

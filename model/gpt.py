@@ -169,6 +169,11 @@ class GPT(nn.Module):
         if targets.shape != h.shape[:2]:
             raise ValueError(f"targets shape {tuple(targets.shape)} != idx shape {tuple(h.shape[:2])}")
 
+    def compile_blocks(self) -> None:
+        """torch.compile each transformer block in place (the state dict keeps its names)."""
+        for block in self.h:
+            block.compile()
+
     # ---- inference tools -------------------------------------------------------------------------
 
     def set_rope_scaling(self, type: str, factor: float) -> None:

@@ -47,23 +47,25 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         rows = chunk_rows(weight.shape[0])
+        device = h.device.type
+        compute = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                   else torch.promote_types(h.dtype, weight.dtype))  # the dtype F.linear would use
+        w = weight.to(compute)  # cast once, not per chunk
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros(weight.shape, dtype=_widen(weight).dtype, device=weight.device)
         total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
         for i in range(0, h.shape[0], rows):
-            hc, tc = h[i : i + rows], targets[i : i + rows]
-            raw = F.linear(hc, weight)
-            compute = raw.dtype  # the autocast dtype, or the inputs' own
+            hc, tc = h[i : i + rows].to(compute), targets[i : i + rows]
             keep = (tc != -100)[:, None]
             safe = tc.masked_fill(tc == -100, 0)[:, None]
-            log_probs = torch.log_softmax(_widen(raw), dim=-1)
+            log_probs = torch.log_softmax(_widen(F.linear(hc, w)), dim=-1)
             total -= (log_probs.gather(1, safe) * keep).sum()
             # d(sum CE)/d logits = softmax - one-hot; ignored rows are zeroed through the cheap
             # [tokens, C] factors below rather than the [tokens, V] one.
             grad_logits = log_probs.exp_().scatter_add_(1, safe, torch.full_like(safe, -1.0, dtype=log_probs.dtype))
             grad_logits = grad_logits.to(compute)
-            grad_h[i : i + rows] = (grad_logits @ weight.to(compute)) * keep
-            kept_h = hc.to(compute) * keep
+            grad_h[i : i + rows] = (grad_logits @ w) * keep
+            kept_h = hc * keep
             if grad_w.dtype == compute:
                 grad_w.addmm_(grad_logits.t(), kept_h)  # in place: no [V, C] temporary per chunk
             else:

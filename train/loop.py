@@ -160,8 +160,7 @@ def run(cfg: TrainConfig) -> int:
     if resume_from is not None:
         checkpoint.check_compatible(resume_from, cfg.model, world, weights_only=False)
     if cfg.compile:
-        for block in model.h:
-            block.compile()  # in place: the state dict keeps its names
+        model.compile_blocks()
     engine = build_engine(model, cfg, world)
 
     loader = build_loader(cfg.data, tokenizer, split="train", seq_len=seq_len,

@@ -1,0 +1,331 @@
+"""Helper of bench/gpu_check.sh: install the carried wheels, judge each stage, write the summary.
+
+Standard library only (plus `packaging`, for version ranges), so it runs on the GPU image before
+anything is installed. Each `record` appends one JSON line to <out>/results.jsonl and rewrites
+<out>/summary.md from all lines so far: a call cut short still leaves every finished stage behind.
+
+    python3 bench/gpu_check.py env .whl /tmp/site [--plan]      # nvidia-smi, install, versions
+    python3 bench/gpu_check.py install .whl /tmp/site [--plan]
+    python3 bench/gpu_check.py record OUT --stage z2_origin --rc 0 --seconds 41.2 --run RUN_DIR
+    python3 bench/gpu_check.py record OUT --stage resume --rc 0 --seconds 30 --run RESUMED \\
+        --reference REFERENCE_RUN --resume-step 20 --tol 5e-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+WARMUP_STEPS = 5  # records up to this step are left out of tokens/s and MFU (allocator, autotuning, compile)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_name(path: Path) -> tuple[str, str]:
+    """(normalised distribution name, version) of a wheel file name."""
+    name, version = path.name.split("-")[:2]
+    return _norm(name), version
+
+
+def installed_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def install(wheels: Path, target: Path, plan: bool) -> int:
+    """Install every wheel, except one listed in CONDITIONS whose range the image's own version meets."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion
+
+    conditions = {}
+    conditions_file = wheels / "CONDITIONS"
+    if conditions_file.is_file():
+        for line in conditions_file.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                name, spec = line.split("|", 1)
+                conditions[_norm(name)] = SpecifierSet(spec.strip())
+    chosen = []
+    found = sorted(wheels.glob("*.whl"))
+    if not found:
+        print(f"error: no wheels in {wheels} (make them with bench/make_wheels.sh)", file=sys.stderr)
+        return 1
+    for path in found:
+        name, version = wheel_name(path)
+        have = installed_version(name)
+        if name in conditions:
+            try:
+                keep = have is not None and conditions[name].contains(have, prereleases=True)
+            except InvalidVersion:
+                keep = False
+            reason = f"image has {have or 'none'}, needs {conditions[name]}"
+            if keep:
+                print(f"skip    {name} {version}: {reason}")
+                continue
+            print(f"install {name} {version}: {reason}")
+        else:
+            print(f"install {name} {version}: missing on the image" + (f" (image has {have})" if have else ""))
+        chosen.append(str(path))
+    if plan:
+        print(f"plan only: {len(chosen)} of {len(found)} wheels would be installed into {target}")
+        return 0
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+               "--no-cache-dir", "--upgrade", "--target", str(target), *chosen]
+    print("$ " + " ".join(command[:12]) + f" ... ({len(chosen)} wheels)", flush=True)
+    return subprocess.run(command).returncode
+
+
+VERSIONS = """
+import importlib, torch
+for name in ("torch", "deepspeed", "hydra", "omegaconf", "datasets", "torchdata", "pyarrow", "fsspec", "pydantic",
+             "sentencepiece", "transformers", "numpy", "triton"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name} {getattr(module, '__version__', '?')} {module.__file__}")
+    except ImportError as error:
+        print(f"{name} MISSING ({error})")
+        if name not in ("transformers", "triton"):
+            raise
+if torch.cuda.is_available():
+    props = torch.cuda.get_device_properties(0)
+    print(f"cuda {torch.version.cuda} {torch.cuda.get_device_name()} {props.total_memory / 2**30:.0f} GiB "
+          f"bf16 {torch.cuda.is_bf16_supported()}")
+else:
+    print("cuda: none")
+"""
+
+
+def environment(wheels: Path, site: Path, plan: bool) -> int:
+    """The machine, the wheels installed (or, with --plan, the decisions), and the versions imported."""
+    import os
+    import platform
+    import shutil
+
+    print(f"host: {platform.platform()}; cpus: {os.cpu_count()}; python {platform.python_version()} ({sys.executable})",
+          flush=True)
+    if shutil.which("nvidia-smi"):
+        subprocess.run(["nvidia-smi"])
+    if wheels.is_dir():
+        if install(wheels, site, plan):
+            return 1
+    elif not plan:
+        print(f"error: no wheel folder {wheels} (make it with bench/make_wheels.sh)", file=sys.stderr)
+        return 1
+    else:
+        print(f"no wheel folder {wheels}: nothing to plan (bench/make_wheels.sh makes it)")
+    env = dict(os.environ)
+    if not plan:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    sys.stdout.flush()
+    return subprocess.run([sys.executable, "-c", VERSIONS], env=env).returncode
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def judge_run(run_dir: Path, min_drop: float) -> tuple[dict, list[str]]:
+    """Numbers of one training run from its metrics.jsonl, and what is wrong with it."""
+    records = read_records(run_dir)
+    train = [r for r in records if "loss" in r]
+    problems: list[str] = []
+    result: dict = {"steps": max((r["step"] for r in train), default=0)}
+    if not train:
+        return result, ["no training record in metrics.jsonl"]
+    losses = [r["loss"] for r in train]
+    if not all(_finite(x) for x in losses):
+        problems.append("a non-finite loss")
+    last = train[-min(5, len(train)):]
+    result["loss_first"] = losses[0]
+    result["loss_last"] = statistics.fmean(r["loss"] for r in last)
+    if all(_finite(x) for x in losses):
+        drop = 1 - result["loss_last"] / losses[0]
+        result["loss_drop"] = drop
+        if not drop >= min_drop:
+            problems.append(f"loss did not fall by {min_drop:.0%} (first {losses[0]:.4f}, mean of last "
+                            f"{len(last)} {result['loss_last']:.4f})")
+    steady = [r for r in train if r["step"] > WARMUP_STEPS] or train
+    result["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in steady)
+    if any("mfu" in r for r in steady):
+        result["mfu"] = statistics.median(r["mfu"] for r in steady if "mfu" in r)
+    result["peak_mem_gb"] = max((r.get("mem_gb", 0.0) for r in train), default=0.0)
+    if any(not _finite(r.get("grad_norm", 0.0)) for r in train):
+        problems.append("a non-finite gradient norm")
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    if vals:
+        result["val_loss"] = vals[-1]
+        if not _finite(vals[-1]):
+            problems.append("a non-finite validation loss")
+    return result, problems
+
+
+def judge_resume(run_dir: Path, reference: Path, resume_step: int, tol: float) -> tuple[dict, list[str]]:
+    """The resumed run's first step must be resume_step + 1 and match the uninterrupted run's loss."""
+    resumed = {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
+    ref = {r["step"]: r["loss"] for r in read_records(reference) if "loss" in r}
+    if not resumed:
+        return {}, ["the resumed run wrote no training record"]
+    first = min(resumed)
+    result = {"resumed_first_step": first, "loss_resumed": resumed[first], "loss_reference": ref.get(first)}
+    problems = []
+    if first != resume_step + 1:
+        problems.append(f"the resumed run started at step {first}, not {resume_step + 1}")
+    if first not in ref:
+        problems.append(f"the reference run has no loss at step {first}")
+    else:
+        diff = abs(resumed[first] - ref[first]) / max(1.0, abs(ref[first]))
+        result["rel_diff"] = diff
+        if not diff <= tol:
+            problems.append(f"step {first} loss {resumed[first]:.6f} after resume vs {ref[first]:.6f} "
+                            f"uninterrupted (relative difference {diff:.2e} > {tol:.0e})")
+        common = sorted(set(resumed) & set(ref))
+        result["max_rel_diff_all_steps"] = max(abs(resumed[s] - ref[s]) / max(1.0, abs(ref[s])) for s in common)
+    return result, problems
+
+
+def record(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    entry: dict = {"stage": args.stage, "rc": args.rc, "seconds": round(args.seconds, 1)}
+    for item in args.meta or []:
+        key, _, value = item.partition("=")
+        entry[key] = value
+    problems: list[str] = []
+    if args.rc == 124 or args.rc == 137:
+        problems.append(f"timed out after {args.seconds:.0f} s")
+    elif args.rc != 0:
+        problems.append(f"exit code {args.rc}")
+    if args.run:
+        run_dir = Path(args.run)
+        numbers, found = judge_run(run_dir, args.min_drop) if not args.reference else ({}, [])
+        if args.reference:
+            numbers, found = judge_resume(run_dir, Path(args.reference), args.resume_step, args.tol)
+            more, _ = judge_run(run_dir, 0.0)
+            numbers.update({k: more[k] for k in ("tokens_per_s", "mfu", "peak_mem_gb") if k in more})
+        entry.update(numbers)
+        if args.rc == 0:
+            problems += found
+        with open(out / "metrics.jsonl", "a") as f:
+            for r in read_records(run_dir):
+                f.write(json.dumps({"run": args.stage, **r}) + "\n")
+    if args.skipped:
+        entry["status"] = "skipped"
+        problems = [args.skipped]
+    else:
+        entry["status"] = "ok" if not problems else ("timeout" if args.rc in (124, 137) else "FAIL")
+    note = "; ".join(problems + ([args.note] if args.note else []))
+    if note:
+        entry["note"] = note
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    write_summary(out)
+    print(f"== {args.stage}: {entry['status']} ({entry['seconds']} s){': ' + note if note else ''}", flush=True)
+    return 0
+
+
+def _fmt(value, spec: str, empty: str = "") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) and math.isfinite(value) else empty
+
+
+def write_summary(out: Path) -> None:
+    entries = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+    meta = next((e for e in entries if e["stage"] == "_meta"), {})
+    stages = [e for e in entries if e["stage"] != "_meta"]
+    lines = ["# GPU check", ""]
+    for key in ("date", "mode", "device", "torch", "budget_s", "command"):
+        if key in meta:
+            lines.append(f"- {key}: {meta[key]}")
+    lines += ["", "| stage | status | s | steps | loss first -> last 5 | tokens/s | MFU | peak GB | note |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for e in stages:
+        loss = ""
+        if "loss_first" in e:
+            loss = f"{_fmt(e['loss_first'], '.3f', 'nan')} -> {_fmt(e['loss_last'], '.3f', 'nan')}"
+        elif "loss_resumed" in e:
+            loss = (f"step {e.get('resumed_first_step')}: {_fmt(e['loss_resumed'], '.5f', 'nan')} "
+                    f"(uninterrupted {_fmt(e.get('loss_reference'), '.5f', '-')})")
+        lines.append(
+            f"| {e['stage']} | {e['status']} | {e['seconds']:.0f} | {e.get('steps', '')} | {loss} | "
+            f"{_fmt(e.get('tokens_per_s'), ',.0f')} | {_fmt(e.get('mfu'), '.1%')} | "
+            f"{_fmt(e.get('peak_mem_gb'), '.1f')} | {e.get('note', '').replace('|', '/')} |"
+        )
+    failed = [e["stage"] for e in stages if e["status"] not in ("ok", "skipped")]
+    skipped = [e["stage"] for e in stages if e["status"] == "skipped"]
+    lines += [""]
+    if failed:
+        lines.append(f"RESULT: FAIL ({', '.join(failed)})" + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    else:
+        lines.append(f"RESULT: {len(stages) - len(skipped)} stages ok" + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def meta(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    entry = {"stage": "_meta"}
+    for item in args.items:
+        key, _, value = item.partition("=")
+        entry[key] = value
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    write_summary(out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("install", help="install the carried wheels the image needs")
+    p.add_argument("wheels", type=Path)
+    p.add_argument("target", type=Path)
+    p.add_argument("--plan", action="store_true", help="print the decisions, install nothing")
+    p = sub.add_parser("env", help="machine facts, the wheels installed (or planned), the versions imported")
+    p.add_argument("wheels", type=Path)
+    p.add_argument("site", type=Path)
+    p.add_argument("--plan", action="store_true", help="install nothing (the CPU dry run)")
+    p = sub.add_parser("meta", help="the run's facts (key=value) at the top of the summary")
+    p.add_argument("out")
+    p.add_argument("items", nargs="*")
+    p = sub.add_parser("record", help="judge one stage, append it to results.jsonl, rewrite summary.md")
+    p.add_argument("out")
+    p.add_argument("--stage", required=True)
+    p.add_argument("--rc", type=int, default=0)
+    p.add_argument("--seconds", type=float, default=0.0)
+    p.add_argument("--run", help="a training run directory (its metrics.jsonl)")
+    p.add_argument("--min-drop", type=float, default=0.05, help="the loss must fall by this fraction")
+    p.add_argument("--reference", help="with --run: the uninterrupted run a resumed run must match")
+    p.add_argument("--resume-step", type=int, default=0)
+    p.add_argument("--tol", type=float, default=1e-5, help="relative loss difference allowed after resume")
+    p.add_argument("--skipped", help="the stage did not run: why")
+    p.add_argument("--note")
+    p.add_argument("--meta", action="append", help="key=value stored with the stage")
+    args = parser.parse_args(argv)
+    if args.command == "install":
+        return install(args.wheels, args.target, args.plan)
+    if args.command == "env":
+        return environment(args.wheels, args.site, args.plan)
+    if args.command == "meta":
+        return meta(args)
+    return record(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -153,8 +153,11 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
         self._check_targets(h, targets)
-        loss = self.lm_head(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
-        return loss / (targets != -100).sum()
+        h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        counted = targets != -100
+        if not bool(counted.all()):  # the LM head runs on counted positions only (answer-only rows: a few)
+            h, targets = h[counted], targets[counted]
+        return self.lm_head(h, targets) / counted.sum()
 
     @torch.no_grad()
     def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

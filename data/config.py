@@ -7,7 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SOURCE_KINDS = ("stdlib", "files", "hub", "tokens")
+SOURCE_KINDS = ("stdlib", "files", "hub", "tokens", "synthetic")
+TEXT_KINDS = ("stdlib", "files", "hub")
+SYNTHETIC_TASKS = ("passkey", "recall")
+LOSS_ON = ("all", "answer")
 SPLITS = ("train", "val", "test")
 
 
@@ -23,9 +26,14 @@ class SourceConfig:
     kind: `stdlib` (this Python's standard-library .py files, no download), `files` (local
     jsonl/json/txt/parquet; `path` is a glob, may contain `{split}` to name per-split files),
     `hub` (Hugging Face dataset `name`, streamed), `tokens` (a directory written by
-    `python -m data.prepare`).
+    `python -m data.prepare`), `synthetic` (generated retrieval rows, `data.synthetic`).
     split: hub split names for train,val,test (comma separated); unused by other kinds.
     weight: share of the training blocks drawn from this source in a mixture.
+    task: for `synthetic`: `passkey` (the evaluation's prompt, random key, depth and length) or
+      `recall` (multi-query associative recall, `queries` queries per row).
+    loss_on: for `synthetic`: `all` tokens of a row are trained on, or only the `answer` tokens.
+    min_len: for `synthetic`: shortest row in tokens; 0: the shortest prompt. Rows are drawn
+      uniformly between it and the block length, one per block (the rest is untrained padding).
     """
 
     kind: str = "stdlib"
@@ -35,9 +43,17 @@ class SourceConfig:
     split: str = "train,validation,test"
     text_field: str = "text"
     weight: float = 1.0
+    task: str = "passkey"
+    loss_on: str = "all"
+    queries: int = 8
+    min_len: int = 0
 
     def __post_init__(self) -> None:
         _check_choice("data.sources.kind", self.kind, SOURCE_KINDS)
+        _check_choice("data.sources.task", self.task, SYNTHETIC_TASKS)
+        _check_choice("data.sources.loss_on", self.loss_on, LOSS_ON)
+        if self.queries < 1 or self.min_len < 0:
+            raise ValueError(f"data.sources.queries={self.queries} must be >= 1 and min_len={self.min_len} >= 0")
         if self.kind in ("files", "tokens") and not self.path:
             raise ValueError(f"data.sources.path is required for kind={self.kind!r}")
         if self.kind == "hub" and not self.name:
@@ -47,8 +63,15 @@ class SourceConfig:
         if not self.weight > 0:
             raise ValueError(f"data.sources.weight={self.weight} must be > 0")
 
+    @property
+    def is_text(self) -> bool:
+        """Read from documents (and so part of the tokenizer's sample and of evaluation corpora)."""
+        return self.kind in TEXT_KINDS
+
     def describe(self) -> str:
         """Short name used in error messages, e.g. `files:data/*.jsonl`."""
+        if self.kind == "synthetic":
+            return f"synthetic:{self.task}"
         return {"stdlib": "stdlib", "hub": f"hub:{self.name}"}.get(self.kind, f"{self.kind}:{self.path}")
 
 

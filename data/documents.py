@@ -20,7 +20,7 @@ def long_documents(cfg: DataConfig, tokenizer: Tokenizer, *, min_tokens: int, n_
         raise ValueError(f"min_tokens={min_tokens} and n_docs={n_docs} must be >= 1")
     found: list[list[int]] = []
     for src in cfg.sources:
-        if src.kind == "tokens":
+        if not src.is_text:
             continue
         for example in open_source(src, split, cfg, seed=seed):
             text = text_of(example, src)
@@ -41,7 +41,7 @@ def long_documents(cfg: DataConfig, tokenizer: Tokenizer, *, min_tokens: int, n_
 def count_long_documents(cfg: DataConfig, tokenizer: Tokenizer, thresholds: list[int], split: str = "test") -> dict[int, int]:
     """How many documents of a split reach each token count (text sources)."""
     check_split(split)
-    lengths = [len(tokenizer.encode(text_of(e, src))) for src in cfg.sources if src.kind != "tokens"
+    lengths = [len(tokenizer.encode(text_of(e, src))) for src in cfg.sources if src.is_text
                for e in open_source(src, split, cfg, seed=0)]
     return {t: sum(n >= t for n in lengths) for t in thresholds}
 

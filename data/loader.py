@@ -9,7 +9,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from data.config import DataConfig, check_split
 from data.prepare import TokenCursor
 from data.sources import check_source, open_source
-from data.stream import PackedStream
+from data.stream import PackedStream, stream_sources
+from data.synthetic import SyntheticCursor
 from data.tokenizer import Tokenizer
 
 
@@ -18,7 +19,7 @@ def _check_shards(cfg: DataConfig, split: str, rank: int, world_size: int) -> No
     if split != "train" or cfg.num_workers < 2:
         return
     for src in cfg.sources:
-        if src.kind == "tokens":
+        if not src.is_text:
             continue
         ds = open_source(src, split, cfg, seed=cfg.seed)
         if world_size > 1:
@@ -32,7 +33,8 @@ def _check_shards(cfg: DataConfig, split: str, rank: int, world_size: int) -> No
 
 def build_loader(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int, batch_size: int,
                  rank: int = 0, world_size: int = 1) -> StatefulDataLoader:
-    """Batches `LongTensor[batch_size, seq_len + 1]` (inputs `x[:, :-1]`, targets `x[:, 1:]`).
+    """Batches `LongTensor[batch_size, seq_len + 1]`; `data.synthetic.split_block` gives inputs and
+    targets (negative entries of synthetic rows are inputs that are not trained on).
 
     `train` is infinite (epochs repeat, documents reordered per epoch, blocks shuffled within
     `cfg.shuffle_buffer`); `val`/`test` are one deterministic pass (last batch may be smaller).
@@ -44,9 +46,11 @@ def build_loader(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: 
         raise ValueError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-    for src in cfg.sources:  # clear errors here, in the main process, rather than in a worker
+    for src in stream_sources(cfg, split):  # clear errors here, in the main process, rather than in a worker
         if src.kind == "tokens":
             TokenCursor(src, tokenizer, split=split, seed=cfg.seed, index=0, consumers=1, infinite=False)
+        elif src.kind == "synthetic":
+            SyntheticCursor(src, tokenizer, seed=cfg.seed, rank=rank, worker=0).row(0, seq_len + 1)
         else:
             check_source(src, split, cfg)
     _check_shards(cfg, split, rank, world_size)

@@ -56,8 +56,8 @@ def prepare(cfg: DataConfig, out: str | Path, *, splits: tuple[str, ...] = SPLIT
                 buf, n_buf = [], 0
 
         for src in cfg.sources:
-            if src.kind == "tokens":
-                raise ValueError(f"source {src.describe()} is already tokenized")
+            if not src.is_text:
+                raise ValueError(f"source {src.describe()} is not a text corpus: prepare text sources only")
             for example in open_source(src, split, cfg, seed=cfg.seed):
                 ids = tok.encode(text_of(example, src))
                 ids.append(tok.eos_id)

@@ -37,6 +37,7 @@ from datasets.distributed import split_dataset_by_node
 from data.config import DataConfig, SourceConfig
 from data.prepare import TokenCursor
 from data.sources import open_source, text_of
+from data.synthetic import SyntheticCursor
 from data.tokenizer import Tokenizer
 
 STATE_VERSION = 1
@@ -124,6 +125,15 @@ class TextCursor:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+def stream_sources(cfg: DataConfig, split: str) -> list[SourceConfig]:
+    """The sources of a split's stream: synthetic rows are trained on, never validated or tested
+    (val/test losses stay comparable with a text-only run)."""
+    sources = [s for s in cfg.sources if split == "train" or s.kind != "synthetic"]
+    if not sources:
+        raise ValueError(f"split {split!r} has no source: synthetic rows are for training; add a text source")
+    return sources
+
+
 class PackedStream(torch.utils.data.IterableDataset):
     """Blocks of `seq_len + 1` tokens for one rank; `state_dict()` per worker resumes exactly."""
 
@@ -133,7 +143,8 @@ class PackedStream(torch.utils.data.IterableDataset):
         self.seq_len, self.rank, self.world_size = seq_len, rank, world_size
         self.infinite = split == "train"
         self.window = cfg.shuffle_buffer if self.infinite and cfg.shuffle_buffer > 1 else 1
-        weights = np.array([s.weight for s in cfg.sources], dtype=np.float64)
+        self.sources = stream_sources(cfg, split)
+        weights = np.array([s.weight for s in self.sources], dtype=np.float64)
         self.weights = weights / weights.sum()
         self._state: Optional[dict] = None
         self._resume: Optional[dict] = None
@@ -145,7 +156,7 @@ class PackedStream(torch.utils.data.IterableDataset):
             "version": STATE_VERSION, "split": self.split, "seq_len": self.seq_len,
             "rank": self.rank, "world_size": self.world_size,
             "worker": info.id if info else 0, "num_workers": info.num_workers if info else 0,
-            "sources": [s.describe() for s in self.cfg.sources], "seed": self.cfg.seed,
+            "sources": [s.describe() for s in self.sources], "seed": self.cfg.seed,
             "shuffle_buffer": self.window,
         }
 
@@ -164,9 +175,12 @@ class PackedStream(torch.utils.data.IterableDataset):
     # -- iteration ---------------------------------------------------------------------------
     def _cursors(self) -> list[Cursor]:
         cursors: list[Cursor] = []
-        for src in self.cfg.sources:
-            if src.kind == "tokens":
-                info = torch.utils.data.get_worker_info()
+        info = torch.utils.data.get_worker_info()
+        for src in self.sources:
+            if src.kind == "synthetic":
+                cursors.append(SyntheticCursor(src, self.tokenizer, seed=self.cfg.seed, rank=self.rank,
+                                               worker=info.id if info else 0))
+            elif src.kind == "tokens":
                 consumers = self.world_size * (info.num_workers if info else 1)
                 index = self.rank * (info.num_workers if info else 1) + (info.id if info else 0)
                 cursors.append(TokenCursor(src, self.tokenizer, split=self.split, seed=self.cfg.seed,

@@ -87,9 +87,14 @@ class Tokenizer:
 def _cache_key(cfg: DataConfig) -> str:
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("model_path")
+    text = [s for s in cfg.sources if s.is_text]
+    total = sum(s.weight for s in text)
+    synthetic_only = ("task", "loss_on", "queries", "min_len")
+    sources = [{k: v for k, v in dataclasses.asdict(s).items() if k not in synthetic_only} | {"weight": s.weight / total}
+               for s in text]  # the text sample alone defines the tokenizer, not the synthetic rows
     spec = {
         "version": _CACHE_VERSION,
-        "sources": [dataclasses.asdict(s) for s in cfg.sources],
+        "sources": sources,
         "tokenizer": tok,
         "splits": [cfg.val_fraction, cfg.test_fraction],
         "stdlib": stdlib_fingerprint() if any(s.kind == "stdlib" for s in cfg.sources) else None,
@@ -99,7 +104,7 @@ def _cache_key(cfg: DataConfig) -> str:
 
 def sample_documents(cfg: DataConfig) -> Iterator[str]:
     """The training sample: the first documents of each source's train split, shared by weight."""
-    text_sources = [s for s in cfg.sources if s.kind != "tokens"]
+    text_sources = [s for s in cfg.sources if s.is_text]
     total = sum(s.weight for s in text_sources)
     for src in text_sources:
         n = max(1, round(cfg.tokenizer.sample_docs * src.weight / total))
@@ -176,8 +181,12 @@ def get_tokenizer(cfg: DataConfig) -> Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"data.tokenizer.model_path={str(path)!r} does not exist")
         return Tokenizer(path)
-    if all(s.kind == "tokens" for s in cfg.sources):
-        return Tokenizer(Path(cfg.sources[0].path) / "tokenizer.model")
+    if not any(s.is_text for s in cfg.sources):
+        tokens = [s for s in cfg.sources if s.kind == "tokens"]
+        if not tokens:
+            raise ValueError("synthetic sources alone have no text to train a tokenizer on: add a text source "
+                             "or set data.tokenizer.model_path")
+        return Tokenizer(Path(tokens[0].path) / "tokenizer.model")
     path = cfg.cache_path / "tokenizers" / f"{_cache_key(cfg)}.model"
     if path.is_file():
         return Tokenizer(path)

@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import build_loader
+from data.synthetic import split_block
 from data.tokenizer import get_tokenizer
 from model import GPT
 from train import checkpoint
@@ -103,10 +104,11 @@ def evaluate(engine, batches: list[torch.Tensor]) -> float:
     engine.eval()
     loss_sum, tokens = 0.0, 0
     for batch in batches:
-        batch = batch.to(engine.device)
-        loss = engine(batch[:, :-1], batch[:, 1:])
-        loss_sum += loss.float().item() * batch[:, 1:].numel()
-        tokens += batch[:, 1:].numel()
+        inputs, targets = split_block(batch.to(engine.device))
+        loss = engine(inputs, targets)
+        counted = int((targets != -100).sum())
+        loss_sum += loss.float().item() * counted
+        tokens += counted
     engine.train()
     total, count = dist.all_reduce([loss_sum, tokens])
     return total / count
@@ -212,8 +214,7 @@ def run(cfg: TrainConfig) -> int:
                 batch = next(batches)
                 if blocks is not None:
                     blocks.write(progress.step + 1, batch)
-                batch = batch.to(engine.device)
-                loss = engine(batch[:, :-1], batch[:, 1:])
+                loss = engine(*split_block(batch.to(engine.device)))
                 if dist.is_main() and progress.step + 1 == nan_pending:  # the other ranks must follow
                     loss, nan_pending = loss * float("nan"), -1
                 if cfg.nonfinite == "skip" and dist.all_reduce([float(not torch.isfinite(loss))], op="max")[0]:

@@ -1,0 +1,103 @@
+"""Synthetic retrieval rows (`kind: synthetic`) as a source of the packed stream.
+
+Each block holds one row: a passkey or recall prompt (`data.tasks`, the evaluation's own builder)
+of a random length between `min_len` and the block length, starting with EOS like every document,
+then EOS padding. Row k of consumer (rank, worker) is a pure function of (seed, rank, worker, k),
+so the cursor's state is the row count: infinite, deterministic, and exactly resumable. Keys are
+always training keys (`data.tasks.held_out` reserves the evaluation keys).
+
+Positions that are not trained on are stored as `-(id + 1)` (see `split_block`): padding always,
+and everything but the answer tokens with `loss_on: answer`. That keeps a block one integer
+tensor, so the loader, its resume state and the block logs need no second array.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+
+from data.config import SourceConfig
+from data.tasks import (
+    build_case,
+    build_recall,
+    draw_passkey,
+    passkey_min_length,
+    recall_min_length,
+    recall_vocab,
+)
+from data.tokenizer import Tokenizer
+
+_TRAIN_STREAM = 0x5EED  # mixed into every row's seed: evaluation uses other generators entirely
+
+
+def split_block(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of `[B, T + 1]` blocks: negative entries are tokens `-(id + 1)` that are
+    read as input but not trained on as targets (target -100)."""
+    tokens = torch.where(batch < 0, -batch - 1, batch)
+    targets = torch.where(batch[:, 1:] < 0, torch.full_like(batch[:, 1:], -100), batch[:, 1:])
+    return tokens[:, :-1], targets
+
+
+def untrained(ids: np.ndarray) -> np.ndarray:
+    """Mark ids as input only (not targets)."""
+    return -ids - 1
+
+
+class SyntheticCursor:
+    """Rows of one synthetic task for one (rank, worker); state = rows produced."""
+
+    def __init__(self, src: SourceConfig, tokenizer: Tokenizer, *, seed: int, rank: int, worker: int):
+        self.src, self.tokenizer = src, tokenizer
+        self.seed, self.rank, self.worker = seed, rank, worker
+        self.prefix = [tokenizer.eos_id]
+        if src.task == "passkey":
+            self.shortest = passkey_min_length(tokenizer, self.prefix)
+        else:
+            self.vocab = recall_vocab(tokenizer)
+            self.shortest = recall_min_length(self.vocab, src.queries, self.prefix)
+        self.shortest = max(self.shortest, src.min_len)
+        self.rows = 0
+
+    def reset(self, state: Optional[dict]) -> None:
+        self.rows = state["rows"] if state else 0
+
+    def state(self) -> dict:
+        return {"rows": self.rows}
+
+    def _rng(self, row: int) -> random.Random:
+        entropy = np.random.SeedSequence([self.seed, self.rank, self.worker, row, _TRAIN_STREAM])
+        return random.Random(int(entropy.generate_state(2, dtype=np.uint64)[0]))
+
+    def row(self, k: int, n: int) -> tuple[list[int], list[int]]:
+        """Row k for blocks of n tokens: (tokens, positions of the answer tokens)."""
+        if self.shortest > n:
+            raise ValueError(
+                f"source {self.src.describe()}: its shortest row has {self.shortest} tokens, longer than a "
+                f"training block ({n}): raise model.max_seq_len"
+            )
+        rng = self._rng(k)
+        length = rng.randint(self.shortest, n)
+        if self.src.task == "passkey":
+            key, depth = draw_passkey(rng, evaluation=False), rng.random()
+            try:
+                case = build_case(self.tokenizer, length, depth, key, self.prefix)
+            except ValueError:  # this key needs a token more than the typical one
+                case = build_case(self.tokenizer, n, depth, key, self.prefix)
+            return case.tokens, case.answer_positions
+        case = build_recall(self.vocab, length, self.src.queries, rng, evaluation=False, prefix=self.prefix)
+        return case.tokens, case.answer_positions
+
+    def next_block(self, n: int) -> np.ndarray:
+        tokens, answers = self.row(self.rows, n)
+        self.rows += 1
+        block = np.full(n, self.tokenizer.eos_id, dtype=np.int64)
+        block[: len(tokens)] = tokens
+        trained = np.zeros(n, dtype=bool)
+        if self.src.loss_on == "answer":
+            trained[answers] = True
+        else:
+            trained[: len(tokens)] = True
+        return np.where(trained, block, untrained(block))

@@ -1,4 +1,4 @@
-"""`python -m eval run=<run dir or checkpoint> task=ppl|passkey|attention|all key=value ...`
+"""`python -m eval run=<run dir or checkpoint> task=ppl|passkey|recall|attention|all key=value ...`
 
 Loads the model once, runs the tasks under each RoPE scaling, writes `<run>/eval/<task>.json` and
 the tables and figures (`eval.report`), and logs them to W&B. Bad input ends with a one-line
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import json
 import resource
 import sys
 import time
@@ -25,11 +27,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.config import DataConfig
 from data.documents import long_documents
+from data.tasks import make_cases, make_recall_cases, recall_vocab
 from data.tokenizer import Tokenizer
 from eval import report
 from eval.config import EvalConfig, Scaling, default_lengths
-from eval.passkey import make_cases
-from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_passkey, sweep_ppl
+from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_passkey, sweep_ppl, sweep_recall
 from eval.wandb_log import log_to_wandb
 from model import GPT
 from train.checkpoint import CheckpointError, find_checkpoint
@@ -99,6 +101,8 @@ def open_session(cfg: EvalConfig) -> Session:
         "n_layer": m.n_layer,
         "n_embd": m.n_embd,
         "trained_scaling": trained.label,
+        "seed": train_cfg.seed,
+        "config_id": config_id(train_cfg),
         "checkpoint": str(ckpt),
         "step": _step_of(ckpt),
         "source": ", ".join(s.describe() for s in data.sources) + f" ({cfg.split})",
@@ -136,6 +140,31 @@ def run_passkey(s: Session) -> dict:
     return {"cases": records, "modes": list(c.modes), "notes": notes}
 
 
+def run_recall(s: Session) -> dict | None:
+    """Like passkey: explicit lengths must fit the prompt, default ones too short are skipped."""
+    c = s.cfg.recall
+    scalings, notes = s.scalings()
+    try:
+        recall_vocab(s.tokenizer)
+    except ValueError as e:  # a tokenizer too small for recall keys: skipped unless asked for by name
+        if s.cfg.task == "recall":
+            raise EvalError(str(e)) from None
+        print(f"recall skipped: {e}", file=sys.stderr)
+        return None
+    cases = []
+    for length in c.lengths or default_lengths(s.train_len):
+        try:
+            cases += make_recall_cases(s.tokenizer, length, c.n_cases, c.queries, s.cfg.seed, s.prefix)
+        except ValueError as e:
+            if c.lengths:
+                raise EvalError(str(e)) from None
+            notes.append(f"length {length} skipped: {e}")
+    if not cases:
+        raise EvalError("no recall length fits the prompt: " + "; ".join(notes))
+    records = sweep_recall(s.model, cases, scalings, s.trained, s.cfg.progress)
+    return {"cases": records, "queries": c.queries, "notes": notes}
+
+
 def run_attention(s: Session) -> dict:
     c, n_layer = s.cfg.attention, s.train_cfg.model.n_layer
     length = c.length or 4 * s.train_len
@@ -150,7 +179,7 @@ def run_attention(s: Session) -> dict:
     return {"rows": rows, "length": length, "sigma": c.sigma, "window": c.window, "layers": layers, "notes": notes}
 
 
-TASK_RUNNERS = {"ppl": run_ppl, "passkey": run_passkey, "attention": run_attention}
+TASK_RUNNERS = {"ppl": run_ppl, "passkey": run_passkey, "recall": run_recall, "attention": run_attention}
 
 
 def evaluate(cfg: EvalConfig) -> dict[str, list[Path]]:
@@ -158,13 +187,25 @@ def evaluate(cfg: EvalConfig) -> dict[str, list[Path]]:
     session = open_session(cfg)
     for task in cfg.tasks:
         start = time.perf_counter()
-        payload = {"meta": session.meta, **TASK_RUNNERS[task](session)}
+        result = TASK_RUNNERS[task](session)
+        if result is None:
+            continue
+        payload = {"meta": session.meta, **result}
         payload["seconds"] = round(time.perf_counter() - start, 2)
         payload["peak_rss_mb"] = round(peak_rss_mb(), 1)
         report.save_json(session.out / f"{task}.json", payload)
     written = report.render(report.run_results(session.out), session.out)
     log_to_wandb(cfg, session.train_cfg, run_dir_of(Path(cfg.run)), session.out, written)
     return written
+
+
+def config_id(cfg: TrainConfig) -> str:
+    """Identifies a training setup up to its seeds and names: runs with equal ids are replicates
+    (`eval.report` aggregates them)."""
+    spec = {"model": dataclasses.asdict(cfg.model), "data": {**dataclasses.asdict(cfg.data), "seed": None},
+            "optim": dataclasses.asdict(cfg.optim), "deepspeed": dataclasses.asdict(cfg.deepspeed),
+            "batch_size": cfg.batch_size, "max_steps": cfg.max_steps}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def run_dir_of(path: Path) -> Path:
@@ -183,7 +224,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-USAGE = """usage: python -m eval run=<run dir or checkpoint> [task=ppl|passkey|attention|all] [key=value ...]
+USAGE = """usage: python -m eval run=<run dir or checkpoint> [task=ppl|passkey|recall|attention|all] [key=value ...]
   e.g.  python -m eval run=runs/tiny task=ppl ppl.lengths=[128,512,2048] ppl.n_docs=5
         python -m eval run=runs/tiny scalings=[none,dynamic:2,dynamic:4,dynamic:8]
         python -m eval run=runs/tiny task=passkey model.rope_scaling.type=dynamic model.rope_scaling.factor=4

@@ -12,7 +12,7 @@ from typing import Optional
 from data.config import SourceConfig, check_split
 from model.config import ROPE_SCALINGS
 
-TASKS = ("ppl", "passkey", "attention")
+TASKS = ("ppl", "passkey", "recall", "attention")
 TASK_CHOICES = TASKS + ("all",)
 PASSKEY_MODES = ("teacher", "generate")
 WANDB_MODES = ("auto", "offline", "online", "disabled")
@@ -121,6 +121,24 @@ class PasskeyConfig:
 
 
 @dataclass
+class RecallConfig:
+    """Multi-query associative recall (the prompt family of `data.synthetic` task recall).
+
+    lengths: prompt tokens (pairs fill them); empty: 1x .. 64x the training length.
+    n_cases: cases per length; queries: queried pairs per case (accuracy counts each query).
+    """
+
+    lengths: list[int] = field(default_factory=list)
+    n_cases: int = 20
+    queries: int = 8
+
+    def __post_init__(self) -> None:
+        _positive_list("recall.lengths", self.lengths)
+        if self.n_cases < 1 or self.queries < 1:
+            raise ValueError(f"recall.n_cases={self.n_cases} and recall.queries={self.queries} must be >= 1")
+
+
+@dataclass
 class AttentionConfig:
     """Attention-score statistics on one long segment of the evaluation split (paper Figure 11).
 
@@ -188,6 +206,7 @@ class EvalConfig:
     progress: bool = True
     ppl: PerplexityConfig = field(default_factory=PerplexityConfig)
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
+    recall: RecallConfig = field(default_factory=RecallConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     wandb: EvalWandbConfig = field(default_factory=EvalWandbConfig)
 

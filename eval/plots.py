@@ -83,6 +83,38 @@ def plot_passkey(series: Series, path: Path, train_len: int | None = None) -> Pa
     return plot_lines(series, path, "passkey accuracy", "Passkey retrieval", train_len, log_y=False)
 
 
+def plot_recall(series: Series, path: Path, train_len: int | None = None) -> Path:
+    return plot_lines(series, path, "recall accuracy", "Multi-query associative recall", train_len, log_y=False)
+
+
+def plot_bands(cells: Sequence[dict], path: Path, ylabel: str, train_len: int | None, log_y: bool) -> Path:
+    """Mean against length with 95% confidence bands, one line per `label` (rows of
+    `eval.aggregate.summarise` for one metric)."""
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    labels = list(dict.fromkeys(c["label"] for c in cells))
+    styles = _line_styles(labels)
+    lengths: list[int] = []
+    for label in labels:
+        rows = sorted((c for c in cells if c["label"] == label), key=lambda c: c["length"])
+        x = [c["length"] for c in rows]
+        lengths += x
+        mean = np.array([c["mean"] for c in rows])
+        ci = np.nan_to_num(np.array([c["ci95"] for c in rows]))
+        color, style = styles[label]
+        ax.plot(x, mean, marker="o", color=color, linestyle=style, label=label)
+        ax.fill_between(x, mean - ci, mean + ci, color=color, alpha=0.15, linewidth=0)
+    _length_axis(ax, lengths, train_len)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel}: mean over seeds, 95% confidence band")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_passkey_depth(grids: Mapping[str, tuple[list[int], list[float], np.ndarray]], path: Path) -> Path:
     """Accuracy heatmaps (depth rows x length columns), one panel per label."""
     n = len(grids)

@@ -21,9 +21,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from eval import plots
+from eval import aggregate, plots
 
-TASKS = ("ppl", "passkey", "attention")
+TASKS = ("ppl", "passkey", "recall", "attention")
 PROFILES_FILE = "attention_profiles.npz"
 
 
@@ -113,6 +113,16 @@ def passkey_summary(cases: Sequence[dict], modes: Sequence[str]) -> list[dict]:
     return rows
 
 
+def recall_summary(cases: Sequence[dict]) -> list[dict]:
+    """Accuracy per (label, length): right answers over all queries of its cases."""
+    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for c in cases:
+        groups[(c["label"], c["length"])].append(c)
+    return [{"label": label, "length": length, "n": len(group), "pairs": group[0]["pairs"],
+             "accuracy": sum(c["correct"] for c in group) / sum(c["queries"] for c in group)}
+            for (label, length), group in groups.items()]
+
+
 def depth_bins(depths: Sequence[float]) -> list[float]:
     """The depths themselves for a sweep (few distinct values), otherwise 5 equal bins' centres."""
     distinct = sorted(set(depths))
@@ -186,6 +196,17 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
             plots.plot_passkey(series, out_dir / f"{stem}passkey.png", train_len),
             plots.plot_passkey_depth(grids, out_dir / f"{stem}passkey_depth.png"),
         ]
+    if "recall" in results:
+        r = results["recall"]
+        summary = recall_summary(r["cases"])
+        lengths, table = pivot(summary, "label", "accuracy")
+        md += [f"## Recall accuracy ({r['queries']} queries per case)", "", pivot_markdown(lengths, table, "model / scaling"), ""]
+        md += _notes(r)
+        series = {k: (list(v), list(v.values())) for k, v in table.items()}
+        written["recall"] = [
+            write_csv(out_dir / f"{stem}recall.csv", summary),
+            plots.plot_recall(series, out_dir / f"{stem}recall.png", train_len),
+        ]
     if "attention" in results:
         a = results["attention"]
         keys = ["max_score", "min_score", "std_score", "outlier_ratio", "max_zscore", "local_mass"]
@@ -241,7 +262,7 @@ def run_results(eval_dir: Path) -> dict[str, dict]:
 
 def _labelled(task: str, result: dict, eval_dir: Path, prefix: str) -> dict:
     result = dict(result)
-    if task == "passkey":
+    if task in ("passkey", "recall"):
         result["cases"] = label_rows(result["cases"], prefix)
     else:
         result["rows"] = label_rows(result["rows"], prefix)
@@ -277,7 +298,7 @@ def compare(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, list[Path]]:
             m["cases"] += r.get("cases", [])
             m["profiles"].update(r.get("profiles", {}))
             m["notes"] += [f"{label}: {n}" for n in r.get("notes", [])]
-            for key in ("modes", "length", "sigma", "window"):
+            for key in ("modes", "queries", "length", "sigma", "window"):
                 if key in r:
                     m.setdefault(key, r[key])
     train_lens = {r["meta"]["train_len"] for _, _, results in loaded for r in results.values()}
@@ -285,7 +306,91 @@ def compare(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, list[Path]]:
     for m in merged.values():
         m["meta"] = {**m["meta"], "label": ", ".join(labels), "run": ", ".join(map(str, run_dirs)),
                      "train_len": train_len}
-    return render(merged, out_dir, prefix="comparison of " + ", ".join(labels), stem="compare_")
+    written = render(merged, out_dir, prefix="comparison of " + ", ".join(labels), stem="compare_")
+    groups = seed_groups(loaded)
+    if any(len(runs) > 1 for runs in groups.values()):
+        written["seeds"] = render_seeds(groups, out_dir)
+    return written
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def seed_groups(loaded: Sequence[tuple[Path, Path, dict]]) -> dict[str, list[tuple[Path, dict]]]:
+    """Runs grouped by training setup (`meta.config_id`), named by their design label.
+
+    Two setups with the same design label (say, a text-only and a retrieval-mix Origin) are told
+    apart by their first run's directory name. Runs of one setup that repeat a seed are not
+    replicates: each then stands alone.
+    """
+    by_id: dict[str, list[tuple[Path, dict]]] = {}
+    for i, (run, _, results) in enumerate(loaded):
+        meta = next(iter(results.values()))["meta"]
+        by_id.setdefault(meta.get("config_id") or f"run {i}", []).append((run, results))
+    groups = []
+    for runs in by_id.values():
+        seeds = [next(iter(r.values()))["meta"].get("seed") for _, r in runs]
+        groups += [runs] if len(set(seeds)) == len(seeds) else [[run] for run in runs]
+    labels = [next(iter(runs[0][1].values()))["meta"]["label"] for runs in groups]
+    return {(label if labels.count(label) == 1 else f"{label} ({runs[0][0].name})"): runs
+            for label, runs in zip(labels, groups)}
+
+
+def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path) -> list[Path]:
+    """Per-seed values, mean +- 95% CI per cell, pairwise significance: CSV, Markdown, figures."""
+    rows = []
+    for name, runs in groups.items():
+        for run, results in runs:
+            rows += aggregate.per_seed_values(name, next(iter(results.values()))["meta"].get("seed"), str(run), results)
+    summary = aggregate.summarise(rows)
+    tests = aggregate.significance(rows)
+    train_lens = {next(iter(r.values()))["meta"]["train_len"] for runs in groups.values() for _, r in runs}
+    train_len = train_lens.pop() if len(train_lens) == 1 else None
+    titles = {"ppl_ratio": "Perplexity / perplexity at the training length",
+              "passkey": "Passkey accuracy", "recall": "Recall accuracy"}
+    seeds = ", ".join(f"{name}: {len(runs)}" for name, runs in groups.items())
+    md = ["# Seed-aggregated comparison", "",
+          f"Mean over seeds (seeds per setup: {seeds}) ± the half-width of the 95% confidence interval "
+          f"(Student t). Pairs: Welch's t-test on per-seed values, p < {aggregate.ALPHA} "
+          "(no multiple-comparison correction).", ""]
+    written = [write_csv(out_dir / "seeds_values.csv", rows), write_csv(out_dir / "seeds_summary.csv", summary),
+               write_csv(out_dir / "seeds_significance.csv", tests)]
+    for metric in aggregate.METRICS:
+        cells = [r for r in summary if r["metric"] == metric]
+        if not cells:
+            continue
+        lengths = sorted({r["length"] for r in cells})
+        table: dict[str, dict[int, str]] = {}
+        for r in cells:
+            table.setdefault(r["label"], {})[r["length"]] = _mean_ci(r["mean"], r["ci95"])
+        md += [f"## {titles[metric]}", "", pivot_markdown(lengths, table, "model / scaling"), ""]
+        significant = [t for t in tests if t["metric"] == metric and t["significant"]]
+        md += ["Significant differences:", ""] + _orderings(significant, lengths, metric in aggregate.LOWER_IS_BETTER) + [""]
+        written.append(plots.plot_bands(cells, out_dir / f"seeds_{metric}.png", titles[metric], train_len,
+                                        log_y=False))
+    md_path = out_dir / "seeds_report.md"
+    md_path.write_text("\n".join(md))
+    return written + [md_path]
+
+
+def _mean_ci(mean: float, ci: float) -> str:
+    return fmt(mean) if math.isnan(ci) else f"{mean:.3g} ± {ci:.2g}"
+
+
+def _orderings(tests: Sequence[dict], lengths: Sequence[int], lower_is_better: bool) -> list[str]:
+    """One line per length: `a beats b (p)` for each significant pair under the same scaling."""
+    lines = []
+    for length in lengths:
+        here = [t for t in tests if t["length"] == length]
+        if not here:
+            continue
+        parts = []
+        for t in here:
+            better, worse = (t["a"], t["b"]) if (t["diff"] < 0) == lower_is_better else (t["b"], t["a"])
+            scaling = "" if t["scaling"] == "none" else f" (both + {t['scaling']})"
+            parts.append(f"{better} beats {worse}{scaling} (p={t['p']:.2g})")
+        lines.append(f"- {plots._k(length)}: " + "; ".join(parts))
+    return lines or ["- none"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,7 +15,9 @@ import torch
 
 from eval.attention_stats import attention_statistics, last_query_scores
 from eval.config import Scaling
-from eval.passkey import PasskeyCase, score_cases
+from data.tasks import PasskeyCase, RecallCase
+from eval.passkey import score_cases
+from eval.recall import score_recall
 from eval.perplexity import evaluate_perplexity
 
 
@@ -65,6 +67,18 @@ def sweep_passkey(
                 by_length.setdefault(c.length, []).append(c)
             for group in by_length.values():
                 records += [{"scaling": s.label, **r} for r in score_cases(model, group, modes, progress)]
+    return records
+
+
+def sweep_recall(
+    model, cases: Sequence[RecallCase], scalings: Sequence[Scaling], trained: Scaling, progress: bool,
+) -> list[dict]:
+    records = []
+    for s in scalings:
+        with scaled(model, s, trained):
+            for length in dict.fromkeys(c.length for c in cases):
+                group = [c for c in cases if c.length == length]
+                records += [{"scaling": s.label, **r} for r in score_recall(model, group, progress)]
     return records
 
 

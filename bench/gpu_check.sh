@@ -13,7 +13,7 @@
 #                 tokens, bf16, activation checkpointing) on the stdlib corpus under ZeRO 2, for
 #                 origin, alibi, coca (slack), coca_strict: $STEPS steps (30), logged every step,
 #                 a checkpoint at the end; checks the loss falls by 5% and every value is finite
-#   z3_<variant>  the same under ZeRO 3 through the deepspeed launcher, for $Z3_VARIANT (coca),
+#   z3_<variant>  the same under ZeRO 3 through the deepspeed launcher, for $Z3_VARIANTS (coca),
 #                 with a checkpoint at step $RESUME_AT (20) and at the end
 #   resume        a new run from that step-20 checkpoint (deepspeed launcher, ZeRO 3): its first
 #                 step must be 21 and its loss the uninterrupted run's (relative 2e-3 in bf16)
@@ -28,7 +28,8 @@
 # (versions, install plan), log.txt (the end of every stage's output).
 # Environment: OUT, BUDGET_S (seconds for the whole call: 480; stages that no longer fit are
 # skipped), STAGES (a space-separated subset to rerun, e.g. "env z2_alibi bench_attention"),
-# VARIANTS, Z3_VARIANT, STEPS, WHEELS (.whl), SITE (/tmp/coca_site), WORK (scratch: runs, caches).
+# VARIANTS, Z3_VARIANTS ("origin alibi coca coca_strict" for all four: about 3 minutes more), STEPS,
+# WHEELS (.whl), SITE (/tmp/coca_site), WORK (scratch for runs and the tokenizer: /tmp/coca_gpu_check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=${DRY_RUN:-0}
@@ -37,13 +38,14 @@ work=${WORK:-${TMPDIR:-/tmp}/coca_gpu_check}
 wheels=${WHEELS:-.whl}
 site=${SITE:-/tmp/coca_site}
 variants=${VARIANTS:-"origin alibi coca coca_strict"}
-z3=${Z3_VARIANT:-coca}
+z3s=${Z3_VARIANTS:-coca}  # ZeRO 3 runs; the first is the one resumed
+z3=${z3s%% *}
 only=${STAGES:-}
 py=python3
 export PYTHONUNBUFFERED=1 TRAIN_TRACEBACK=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 mkdir -p "$out"
 rm -f "$out"/{summary.md,results.jsonl,metrics.jsonl,bench.md,env.txt,log.txt}
-rm -rf "$work"
+rm -rf "$work/runs" "$work/logs"  # the tokenizer cache ($work/cache) may stay: it is keyed by its spec
 mkdir -p "$work/logs" "$work/runs"
 
 if [ "$dry" = 1 ]; then
@@ -53,13 +55,14 @@ if [ "$dry" = 1 ]; then
         data.tokenizer.sample_docs=60 data.num_workers=0 data.shuffle_buffer=16
         batch_size=4 micro_batch_size=2 optim.lr=3e-3 optim.warmup_steps=2)
   bench_train=(--flavors tiny --steps 2)
-  bench_attention=(--lengths 128 --repeats 1 --heads 2)
+  bench_attention=(--lengths 128 --repeats 1 --heads 2 --variants origin alibi)
   caps=(env=90 train=180 bench=180)  # generous: only a hang should reach them on a busy CPU
 else
   # The preset's model (350m, 512 tokens, bf16, activation checkpointing) and micro batch of 16,
   # 4 micro-batches per optimizer step (64 x 512 = 32,768 tokens).
   budget=${BUDGET_S:-480}; steps=${STEPS:-30}; resume_at=${RESUME_AT:-20}; tol=2e-3; min_stage=20
-  size=(batch_size=64 micro_batch_size=16 optim.warmup_steps=5)
+  # Four loader workers (of 16 CPUs) so that tokenizing never limits tokens/s.
+  size=(batch_size=64 micro_batch_size=16 optim.warmup_steps=5 data.num_workers=4)
   bench_train=(--flavors 125m --steps 10 --vocab-size 50304)
   bench_attention=(--lengths 2048 8192 16384 --repeats 3)
   caps=(env=90 train=150 bench=150)
@@ -130,7 +133,10 @@ for v in $variants; do
   train_stage "z2_$v" plain "experiment=paper_350m_$v" deepspeed=zero2 "${common[@]}" "ckpt_every=$steps"
   rm -rf "$work/runs/z2_$v/checkpoints"  # GBs each on the GPU
 done
-train_stage "z3_$z3" deepspeed "experiment=paper_350m_$z3" deepspeed=zero3 "${common[@]}" "ckpt_every=$resume_at"
+for v in $z3s; do
+  train_stage "z3_$v" deepspeed "experiment=paper_350m_$v" deepspeed=zero3 "${common[@]}" "ckpt_every=$resume_at"
+  [ "$v" = "$z3" ] || rm -rf "$work/runs/z3_$v/checkpoints"
+done
 if wanted resume; then
   ckpt=$(printf '%s/runs/z3_%s/checkpoints/step_%08d' "$work" "$z3" "$resume_at")
   if [ -f "$ckpt/COMPLETE" ]; then

@@ -87,22 +87,26 @@ def install(wheels: Path, target: Path, plan: bool) -> int:
 
 
 VERSIONS = """
-import importlib, torch
-for name in ("torch", "deepspeed", "hydra", "omegaconf", "datasets", "torchdata", "pyarrow", "fsspec", "pydantic",
-             "sentencepiece", "transformers", "numpy", "triton"):
-    try:
-        module = importlib.import_module(name)
-        print(f"{name} {getattr(module, '__version__', '?')} {module.__file__}")
-    except ImportError as error:
-        print(f"{name} MISSING ({error})")
-        if name not in ("transformers", "triton"):
-            raise
+import importlib, sys, traceback
+import torch
 if torch.cuda.is_available():
     props = torch.cuda.get_device_properties(0)
     print(f"cuda {torch.version.cuda} {torch.cuda.get_device_name()} {props.total_memory / 2**30:.0f} GiB "
           f"bf16 {torch.cuda.is_bf16_supported()}")
 else:
     print("cuda: none")
+missing = []
+for name in ("torch", "deepspeed", "hydra", "omegaconf", "datasets", "torchdata", "pyarrow", "fsspec", "pydantic",
+             "sentencepiece", "transformers", "numpy", "triton"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name} {getattr(module, '__version__', '?')} {module.__file__}")
+    except Exception as error:  # an import can fail with more than ImportError (a version check, a bad binary)
+        print(f"{name} FAILED: {type(error).__name__}: {error}")
+        traceback.print_exc(limit=-3)
+        if name not in ("transformers", "triton"):  # the training stack needs the rest
+            missing.append(name)
+sys.exit(f"the training stack cannot import: {', '.join(missing)}" if missing else 0)
 """
 
 
@@ -116,19 +120,20 @@ def environment(wheels: Path, site: Path, plan: bool) -> int:
           flush=True)
     if shutil.which("nvidia-smi"):
         subprocess.run(["nvidia-smi"])
+    installed = 0
     if wheels.is_dir():
-        if install(wheels, site, plan):
-            return 1
+        installed = install(wheels, site, plan)
     elif not plan:
         print(f"error: no wheel folder {wheels} (make it with bench/make_wheels.sh)", file=sys.stderr)
-        return 1
+        installed = 1
     else:
         print(f"no wheel folder {wheels}: nothing to plan (bench/make_wheels.sh makes it)")
     env = dict(os.environ)
     if not plan:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     sys.stdout.flush()
-    return subprocess.run([sys.executable, "-c", VERSIONS], env=env).returncode
+    imported = subprocess.run([sys.executable, "-c", VERSIONS], env=env).returncode
+    return installed or imported
 
 
 def read_records(run_dir: Path) -> list[dict]:

@@ -23,6 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=${WHEELS:-.whl}
 mkdir -p "$dest"
+rm -f "$dest"/*.whl "$dest/CONDITIONS"  # one version of each: two would stop the install there
 pip=(python3 -m pip)
 
 # Missing on the image (name==version: the versions this repository is tested with).
@@ -75,5 +76,8 @@ printf '%s\n' "# name|range: installed on the GPU image only when its own versio
 
 echo "== $dest"
 ls -l "$dest"
+mib() { awk "BEGIN {printf \"%.1f MiB\", $1 / 2^20}"; }
 bytes=$(du -cb "$dest"/* | tail -1 | cut -f1)
-echo "total: $bytes bytes ($(awk "BEGIN {printf \"%.1f\", $bytes / 2^20}") MiB; the device carries at most 64 MiB with the tree)"
+# What a device call carries: the tracked and untracked-but-not-ignored files, plus this folder.
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | awk '/\ttotal$/ {s += $1} END {print s + 0}')
+echo "wheels: $bytes bytes ($(mib "$bytes")); with the working tree: $(mib $((bytes + tree))) of the device's 64 MiB"

@@ -1,7 +1,7 @@
 """The reproduction scripts run their whole chain (train -> evaluate -> report) on CPU.
 
 Each test runs the real script (real training processes, real evaluation), shortened: the paper's
-in its DRY_RUN mode, the tiny study with a few steps and two lengths per task.
+in its DRY_RUN mode, the CPU study with a few steps, two seeds and two lengths per task.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def run_script(script: str, runs: Path, **env: str) -> str:
     return result.stdout
 
 
-def check_chain(runs: Path, variants: list[str], lengths: list[int], scalings: dict[str, set[str]]) -> None:
+def check_chain(runs: Path, variants: list[str], lengths: list[int], scalings: dict[str, set[str]],
+                labels: dict[str, str] | None = None) -> None:
     for v in variants:
         run = runs / v
         assert (run / "DONE").exists() and (run / "config.yaml").exists()
@@ -45,7 +46,7 @@ def check_chain(runs: Path, variants: list[str], lengths: list[int], scalings: d
         assert (runs / "report" / name).stat().st_size > 0, f"report/{name} missing or empty"
     report = (runs / "report" / "compare_report.md").read_text()
     for v in variants:
-        assert f"| {LABELS[v]} |" in report, v
+        assert f"| {(labels or LABELS)[v]}" in report, v
 
 
 LABELS = {"origin": "origin", "alibi": "alibi", "coca": "coca-slack", "coca_strict": "coca-strict"}
@@ -68,11 +69,22 @@ def test_paper_reproduction_dry_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_study_shortened(tmp_path: Path) -> None:
-    variants = ["origin", "alibi"]
+def test_study_shortened(tmp_path: Path) -> None:
+    """Two designs x two seeds, two runs at a time: per-run chains, then the seed-aggregated report."""
     run_script(
-        "reproduce_tiny.sh", tmp_path, VARIANTS=" ".join(variants), STEPS="3",
-        EVAL="ppl.lengths=[128,256] passkey.lengths=[256,512] ppl.n_docs=1 passkey.n_cases=2 "
-        "attention.length=256 progress=false",
+        "reproduce_study.sh", tmp_path, DESIGNS="origin alibi", SEEDS="1 2", TEXT_ONLY="0", STEPS="3",
+        EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
+        "recall.lengths=[256,512] recall.n_cases=2 attention.length=512",
     )
-    check_chain(tmp_path, variants, [128, 256], {"origin": ROPE_SWEEP, "alibi": {"none"}})
+    runs = {f"{v}_s{s}": v for v in ("origin", "alibi") for s in (1, 2)}
+    for run, design in runs.items():
+        cfg = (tmp_path / run / "config.yaml").read_text()
+        assert f"seed: {run[-1]}" in cfg and f"name: study_{design}_s{run[-1]}" in cfg
+        recall = json.loads((tmp_path / run / "eval" / "recall.json").read_text())["cases"]
+        assert {r["length"] for r in recall} == {256, 512}
+    check_chain(tmp_path, list(runs), [256, 512],
+                {run: ({"none"} if v == "alibi" else ROPE_SWEEP) for run, v in runs.items()},
+                labels={run: LABELS[v] for run, v in runs.items()})
+    summary = (tmp_path / "report" / "seeds_summary.csv").read_text()
+    assert "origin + dynamic:4" in summary and ",alibi," in summary
+    assert "Seed-aggregated comparison" in (tmp_path / "report" / "seeds_report.md").read_text()

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The CPU-scale extrapolation study (docs/RESULTS.md): Origin, ALiBi, CoCA slack and CoCA strict,
+# each trained with several seeds on the retrieval mix (conf/experiment/study_*.yaml), plus one
+# text-only Origin model for the zero-shot passkey row; each run evaluated at 1x .. 32x the
+# training length (perplexity, passkey, recall; RoPE as trained and with dynamic NTK 2/4/8;
+# attention statistics at 4x); then one seed-aggregated report (mean, 95% CI, Welch's tests).
+#
+#   launch/reproduce_study.sh                          # the full study, results in runs/study
+#   SEEDS="1 2" STEPS=100 launch/reproduce_study.sh    # shorter
+#   launch/reproduce_study.sh logger.wandb=disabled    # extra arguments: Hydra overrides for training
+#
+# Environment: RUNS (default runs/study), DESIGNS (default "origin alibi coca coca_strict"),
+# SEEDS (default "1 2 3"), TEXT_ONLY (1: also the text-only run, seed 1), STEPS (max_steps),
+# JOBS (runs at once, default 2, each on one thread: on a small CPU two one-thread jobs train
+# faster than one two-thread job), EVAL (evaluation overrides replacing the study's, space separated).
+# Resumable: a finished run (DONE) or evaluation (eval/DONE) is skipped, an interrupted training
+# continues from its newest checkpoint. Logs: RUNS/logs/<design>_s<seed>.log.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUNS=${RUNS:-runs/study}
+DESIGNS=${DESIGNS:-"origin alibi coca coca_strict"}
+SEEDS=${SEEDS:-"1 2 3"}
+TEXT_ONLY=${TEXT_ONLY:-1}
+JOBS=${JOBS:-2}
+# 1x .. 32x of the training length 256
+EVAL=${EVAL:-"ppl.lengths=[256,512,1024,2048,4096,8192] ppl.stride=1024 ppl.n_docs=4 \
+passkey.lengths=[256,512,1024,2048,4096,8192] passkey.n_cases=20 \
+recall.lengths=[256,512,1024,2048,4096,8192] recall.n_cases=20"}
+mkdir -p "$RUNS/logs"
+if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
+
+one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, where set -e is off
+  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2"
+  shift 2
+  if [ ! -f "$run_dir/DONE" ]; then
+    python -m train experiment="study_$design" run_dir="$run_dir" name="study_${design}_s$seed" seed="$seed" \
+      data.seed="$seed" resume=auto logger.progress=false ${STEPS:+max_steps=$STEPS} "$@" || return 1
+    touch "$run_dir/DONE"
+  fi
+  if [ ! -f "$run_dir/eval/DONE" ]; then
+    local scalings="[none,dynamic:2,dynamic:4,dynamic:8]"
+    if [ "$design" = alibi ]; then scalings="[none]"; fi
+    # shellcheck disable=SC2086  # EVAL is a list of overrides
+    python -m eval run="$run_dir" task=all scalings="$scalings" progress=false $EVAL || return 1
+    touch "$run_dir/eval/DONE"
+  fi
+}
+
+plan=()
+for seed in $SEEDS; do for design in $DESIGNS; do plan+=("$design $seed"); done; done
+if [ "$TEXT_ONLY" = 1 ]; then plan+=("text 1"); fi
+
+for item in "${plan[@]}"; do
+  read -r design seed <<< "$item"
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  echo "== $design seed $seed -> $RUNS/${design}_s$seed (log: $RUNS/logs/${design}_s$seed.log)"
+  ( one_run "$design" "$seed" "$@" > "$RUNS/logs/${design}_s$seed.log" 2>&1 \
+      || echo "== FAILED: $design seed $seed (see $RUNS/logs/${design}_s$seed.log)" ) &
+done
+wait
+
+runs=()
+failed=0
+for item in "${plan[@]}"; do
+  read -r design seed <<< "$item"
+  if [ -f "$RUNS/${design}_s$seed/eval/DONE" ]; then runs+=("$RUNS/${design}_s$seed"); else failed=1; fi
+done
+echo "== report -> $RUNS/report"
+python -m eval.report "${runs[@]}" --out "$RUNS/report"
+exit $failed

@@ -122,26 +122,32 @@ def run_ppl(s: Session) -> dict:
     return {"rows": rows, "notes": notes}
 
 
-def run_passkey(s: Session) -> dict:
-    """Lengths given explicitly must all fit the prompt; default ones too short are skipped."""
-    c = s.cfg.passkey
-    scalings, notes = s.scalings()
-    cases = []
-    for length in c.lengths or default_lengths(s.train_len):
+def prompt_cases(task: str, lengths: list[int], s: Session, make) -> tuple[list, list[str]]:
+    """`make(length)` at each length; lengths given explicitly must all fit the prompt, default
+    ones (1x .. 64x) too short for it are skipped with a note."""
+    cases, notes = [], []
+    for length in lengths or default_lengths(s.train_len):
         try:
-            cases += make_cases(s.tokenizer, length, c.n_cases, s.cfg.seed, c.depths, s.prefix)
+            cases += make(length)
         except ValueError as e:
-            if c.lengths:
+            if lengths:
                 raise EvalError(str(e)) from None
             notes.append(f"length {length} skipped: {e}")
     if not cases:
-        raise EvalError("no passkey length fits the prompt: " + "; ".join(notes))
+        raise EvalError(f"no {task} length fits the prompt: " + "; ".join(notes))
+    return cases, notes
+
+
+def run_passkey(s: Session) -> dict:
+    c = s.cfg.passkey
+    scalings, notes = s.scalings()
+    cases, skipped = prompt_cases("passkey", c.lengths, s, lambda n: make_cases(
+        s.tokenizer, n, c.n_cases, s.cfg.seed, c.depths, s.prefix))
     records = sweep_passkey(s.model, cases, c.modes, scalings, s.trained, s.cfg.progress)
-    return {"cases": records, "modes": list(c.modes), "notes": notes}
+    return {"cases": records, "modes": list(c.modes), "notes": notes + skipped}
 
 
 def run_recall(s: Session) -> dict | None:
-    """Like passkey: explicit lengths must fit the prompt, default ones too short are skipped."""
     c = s.cfg.recall
     scalings, notes = s.scalings()
     try:
@@ -151,18 +157,10 @@ def run_recall(s: Session) -> dict | None:
             raise EvalError(str(e)) from None
         print(f"recall skipped: {e}", file=sys.stderr)
         return None
-    cases = []
-    for length in c.lengths or default_lengths(s.train_len):
-        try:
-            cases += make_recall_cases(s.tokenizer, length, c.n_cases, c.queries, s.cfg.seed, s.prefix)
-        except ValueError as e:
-            if c.lengths:
-                raise EvalError(str(e)) from None
-            notes.append(f"length {length} skipped: {e}")
-    if not cases:
-        raise EvalError("no recall length fits the prompt: " + "; ".join(notes))
+    cases, skipped = prompt_cases("recall", c.lengths, s, lambda n: make_recall_cases(
+        s.tokenizer, n, c.n_cases, c.queries, s.cfg.seed, s.prefix))
     records = sweep_recall(s.model, cases, scalings, s.trained, s.cfg.progress)
-    return {"cases": records, "queries": c.queries, "notes": notes}
+    return {"cases": records, "queries": c.queries, "notes": notes + skipped}
 
 
 def run_attention(s: Session) -> dict:

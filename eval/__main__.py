@@ -105,7 +105,7 @@ def open_session(cfg: EvalConfig) -> Session:
         "config_id": config_id(train_cfg),
         "checkpoint": str(ckpt),
         "step": _step_of(ckpt),
-        "source": ", ".join(s.describe() for s in data.sources) + f" ({cfg.split})",
+        "source": ", ".join(s.describe() for s in data.sources if s.is_text) + f" ({cfg.split})",
         "device": cfg.device,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -29,7 +29,8 @@
 # Environment: OUT, BUDGET_S (seconds for the whole call: 480; stages that no longer fit are
 # skipped), STAGES (a space-separated subset to rerun, e.g. "env z2_alibi bench_attention"),
 # VARIANTS, Z3_VARIANTS ("origin alibi coca coca_strict" for all four: about 3 minutes more), STEPS,
-# WHEELS (.whl), SITE (/tmp/coca_site), WORK (scratch for runs and the tokenizer: /tmp/coca_gpu_check).
+# WHEELS (.whl), SITE (/tmp/coca_site), WORK (scratch for runs and the tokenizer: /tmp/coca_gpu_check),
+# CAPS (each kind of stage's own time limit, e.g. "env=90 train=150 bench=150", the GPU's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=${DRY_RUN:-0}
@@ -67,6 +68,7 @@ else
   bench_attention=(--lengths 2048 8192 16384 --repeats 3)
   caps=(env=90 train=150 bench=150)
 fi
+[ -n "${CAPS:-}" ] && read -ra caps <<< "$CAPS"  # e.g. CAPS="env=600 train=900 bench=900" on a busy CPU
 cap() { local kv; for kv in "${caps[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 common=(data=stdlib logger=none logger.progress=false logger.log_every=1 "data.cache_dir=$work/cache"
         "max_steps=$steps" "eval_every=$steps" eval_batches=2 keep_last=2 "${size[@]}")

@@ -17,6 +17,7 @@ static base) -> default with `rope_theta` = the scaled base. It lives in its own
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -195,11 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args["out"])
         if out.exists() and any(out.iterdir()) and args.get("overwrite") != "true":
             raise ExportError(f"out={out} exists and is not empty (add overwrite=true)")
+        scaling = parse_scaling(args["rope_scaling"]) if "rope_scaling" in args else None
         if not Path(args["run"]).exists():
             raise ExportError(f"run or checkpoint not found: {args['run']}")
-        model, cfg, tokenizer = load_model(args["run"])
-        if "rope_scaling" in args:
-            model.set_rope_scaling(*parse_scaling(args["rope_scaling"]))
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's merge prints progress to stdout
+            model, _, tokenizer = load_model(args["run"])
+        if scaling is not None:
+            model.set_rope_scaling(*scaling)
         if out.exists() and args.get("overwrite") == "true":
             shutil.rmtree(out)
         export_hf(model, tokenizer, out)

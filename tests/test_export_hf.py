@@ -1,0 +1,219 @@
+"""Hugging Face export (`train.export_hf`): the exported directory, loaded through `AutoTokenizer` and
+`AutoModelForCausalLM`, gives our token ids, our logits (1e-5, fp32) and our greedy tokens, for
+Origin (plain GPTNeoXForCausalLM), ALiBi and CoCA slack / strict (remote code).
+
+Fast tier: random-weight models of two layers at a training length of 32, compared at 1x and 8x.
+Slow tier: a ZeRO-3 run trained here, exported by the CLI, loaded in a subprocess that cannot import
+this project, and scored by lm-evaluation-harness on the local task in `lm_eval_tasks/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
+from model import GPT, ModelConfig
+from train.export import load_model
+from train.export_hf import export_hf, main as export_main
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+REPO = Path(__file__).resolve().parents[1]
+L0 = 32
+DESIGNS = {  # partial rotary and a sequential residual are exercised too
+    "origin": dict(attention="origin", rotary_pct=0.5, parallel_residual=False),
+    "alibi": dict(attention="alibi"),
+    "coca-slack": dict(attention="coca", coca_form="slack", rotary_pct=0.5),
+    "coca-strict": dict(attention="coca", coca_form="strict"),
+}
+SAMPLE = (
+    "The quick brown fox, naïve café owner, paid €12.50 for 3 crêpes.\n"
+    "def área(r: float) -> float:\n\treturn 3.14159 * r ** 2  # π r²\n"
+    "日本語のテキスト, Ελληνικά, русский, emoji 🙂🚀, tabs\t\tand  double  spaces\r\n"
+    "literal specials </s> <s> <pad> <unk> stay text; rare: \u0bf5 \U0001f9ec\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    cache = tmp_path_factory.mktemp("hf_tokenizer")
+    return get_tokenizer(config_from_overrides([f"cache_dir={cache}", "tokenizer.sample_docs=60"], 512))
+
+
+def random_model(tokenizer: Tokenizer, design: str) -> GPT:
+    """A 2-layer model with every parameter (biases and LayerNorms too) drawn at std 0.1."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64,
+                            max_seq_len=L0, **DESIGNS[design])).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    return model
+
+
+def load_hf(path: Path, rope_override: dict | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    if rope_override:
+        config.rope_parameters = {**config.rope_parameters, **rope_override}
+    return AutoModelForCausalLM.from_pretrained(path, config=config, trust_remote_code=True).eval()
+
+
+def test_tokenizer_gives_our_ids_byte_fallback_included(tokenizer, tmp_path):
+    from transformers import AutoTokenizer
+
+    export_hf(random_model(tokenizer, "origin"), tokenizer, tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    ours = tokenizer.encode(SAMPLE)
+    byte_ids = {tokenizer._sp.piece_to_id(f"<0x{b:02X}>") for b in range(256)}
+    assert len(byte_ids & set(ours)) > 10  # the sample exercises byte fallback
+    assert hf(SAMPLE)["input_ids"] == ours
+    assert hf.decode(ours) == tokenizer.decode(ours) == SAMPLE
+    assert (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id) == (tokenizer.eos_id, tokenizer.eos_id, tokenizer.pad_id)
+    # The one documented difference: a literal U+2581 is the space piece for HF, its 3 bytes for us.
+    assert hf.encode("a\u2581b") == tokenizer.encode("a b") != tokenizer.encode("a\u2581b")
+
+
+@pytest.mark.parametrize("design", list(DESIGNS))
+def test_logits_and_greedy_tokens_match(design, tokenizer, tmp_path):
+    model = random_model(tokenizer, design)
+    idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
+    scalings = [("none", 1.0)] if design == "alibi" else [("none", 1.0), ("dynamic", 4.0), ("linear", 4.0),
+                                                            ("ntk", 4.0), ("yarn", 4.0)]
+    for kind, factor in scalings:
+        model.set_rope_scaling(kind, factor)
+        hf = load_hf(export_hf(model, tokenizer, tmp_path / kind))
+        with torch.no_grad():
+            for length in (L0, 8 * L0):
+                want = model(idx[:, :length])
+                torch.testing.assert_close(hf(idx[:, :length]).logits, want, rtol=0, atol=1e-5)
+                assert want.std() > 0.05
+    model.set_rope_scaling("none", 1.0)
+    hf = load_hf(tmp_path / "none")
+    prompt = idx[:1, :20]
+    ours = model.generate(prompt, 32, greedy=True)
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    assert torch.equal(theirs, ours)
+
+
+@pytest.mark.parametrize("design", ["coca-slack", "coca-strict"])
+def test_dynamic_ntk_set_at_load_time_generates_like_ours(design, tokenizer, tmp_path):
+    """The README's recipe (dynamic NTK chosen when loading); generation crosses the training length,
+    where every new length has a new base: each step's logits equal a full forward of ours.
+    (Origin's plain GPTNeoX keeps its stale cache there, transformers' own convention.)"""
+    model = random_model(tokenizer, design)
+    hf = load_hf(export_hf(model, tokenizer, tmp_path), {"rope_type": "dynamic", "factor": 4.0})
+    model.set_rope_scaling("dynamic", 4.0)
+    prompt = torch.randint(4, tokenizer.vocab_size, (1, L0 - 8), generator=torch.Generator().manual_seed(2))
+    out = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None, output_logits=True,
+                      return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(prompt, 32, greedy=True))
+    with torch.no_grad():
+        for step, logits in enumerate(out.logits):
+            want = model(out.sequences[:, : prompt.shape[1] + step])[:, -1]
+            torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+
+
+def test_export_cli_errors_are_one_line(tmp_path, capsys):
+    assert export_main([f"run={tmp_path / 'missing'}", f"out={tmp_path / 'out'}"]) == 2
+    assert export_main(["run=x"]) == 2
+    assert export_main([f"run={tmp_path}", "out=y", "rope_scaling=cubic:2"]) == 2
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("x")
+    assert export_main([f"run={tmp_path}", f"out={tmp_path / 'full'}"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and all(line.startswith("error: ") for line in lines)
+    assert "not found" in lines[0] and "out= is required" in lines[1]
+    assert "cubic" in lines[2] and "not empty" in lines[3]
+
+
+# ---- slow: a ZeRO-3 run, the CLI, a clean interpreter, lm-evaluation-harness ------------------------
+
+LOADER = r"""
+import sys, torch
+from pathlib import Path
+repo, model_dir, out = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+assert all(Path(p or ".").resolve() != repo for p in sys.path), sys.path
+try:
+    import train  # noqa: F401
+    raise SystemExit("this project is importable")
+except ModuleNotFoundError:
+    pass
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+text = Path(sys.argv[4]).read_text()
+ids = [tok.eos_token_id] + tok(text)["input_ids"][: 8 * 32 - 1]
+with torch.no_grad():
+    logits = model(torch.tensor([ids])).logits
+generated = model.generate(torch.tensor([ids[:20]]), max_new_tokens=32, do_sample=False, eos_token_id=None)
+torch.save({"ids": ids, "logits": logits, "generated": generated, "class": type(model).__name__}, out)
+"""
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    return {**env, "OMP_NUM_THREADS": "1", "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def _ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    return done
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory) -> tuple[Path, Path]:
+    """A CoCA-strict micro run trained under ZeRO-3, and its directory exported by the CLI."""
+    root = tmp_path_factory.mktemp("hf_zero3")
+    run, out = root / "run", root / "hf"
+    _ok(subprocess.run([sys.executable, "-m", "train", "experiment=micro", "logger=none", "logger.progress=false",
+                        f"run_dir={run}", f"data.cache_dir={root / 'cache'}", "deepspeed=zero3", "model.attention=coca",
+                        "model.coca_form=strict", "max_steps=6", "ckpt_every=6", "eval_every=6"],
+                       cwd=REPO, env=_env(root / "hf_home"), capture_output=True, text=True, timeout=600))
+    done = _ok(subprocess.run([sys.executable, "-m", "train.export_hf", f"run={run}", f"out={out}"], cwd=REPO,
+                              env=_env(root / "hf_home"), capture_output=True, text=True, timeout=600))
+    assert done.stdout.strip().splitlines() == [
+        f"exported coca strict (none RoPE scaling) to {out}: AutoModelForCausalLM (trust_remote_code=True)"]
+    return run, out
+
+
+@pytest.mark.slow
+def test_zero3_export_loads_without_this_project(zero3, tmp_path):
+    run, out = zero3
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "modeling_coca_lm.py", "tokenizer.json",
+        "tokenizer_config.json"]
+    source = Path(json.__file__).with_name("decoder.py")  # any long text: the stdlib's own
+    result = tmp_path / "hf.pt"
+    _ok(subprocess.run([sys.executable, "-I", "-c", LOADER, str(REPO), str(out), str(result), str(source)],
+                       cwd=tmp_path, env=_env(tmp_path / "hf_home"), capture_output=True, text=True, timeout=600))
+    got = torch.load(result)
+    model, _, tok = load_model(str(run))
+    assert got["class"] == "CocaLMForCausalLM"
+    assert got["ids"] == [tok.eos_id] + tok.encode(source.read_text())[: 8 * L0 - 1]
+    with torch.no_grad():
+        want = model(torch.tensor([got["ids"]]))
+    torch.testing.assert_close(got["logits"], want, rtol=0, atol=1e-5)
+    assert torch.equal(got["generated"], model.generate(torch.tensor([got["ids"][:20]]), 32, greedy=True))
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_the_local_task(zero3, tmp_path):
+    _, out = zero3
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={out},trust_remote_code=True",
+           "--include_path", str(REPO / "lm_eval_tasks"), "--tasks", "coca_lm_pycloze", "--device", "cpu",
+           "--batch_size", "8", "--output_path", str(tmp_path / "results")]
+    _ok(subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path / "hf_home"), capture_output=True, text=True, timeout=600))
+    (path,) = (tmp_path / "results").rglob("results_*.json")
+    results = json.loads(path.read_text())
+    scores = results["results"]["coca_lm_pycloze"]
+    assert 0.0 <= scores["acc,none"] <= 1.0 and 0.0 <= scores["acc_norm,none"] <= 1.0
+    assert results["n-samples"]["coca_lm_pycloze"]["effective"] == 24

@@ -1,0 +1,138 @@
+"""`generate`: nucleus / top-k filtering, seeded sampling over the KV cache, streaming of partial UTF-8,
+and `python -m generate` on a run trained here (fixed seed, fixed text; bad input, one line)."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from generate import filter_logits, sample
+from generate.__main__ import Printer, main
+from model import GPT, ModelConfig
+from train.export import load_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_model() -> GPT:
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, max_seq_len=16,
+                            attention="coca")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.tensor([0.6, 0.3, 0.1, 0.0]).log()
+    kept = lambda out: torch.isfinite(out).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(filter_logits(logits, 2, None)) == [0, 1]
+    assert kept(filter_logits(logits, None, 0.5)) == [0]
+    assert kept(filter_logits(logits, None, 0.85)) == [0, 1]
+    assert kept(filter_logits(logits, None, 0.95)) == [0, 1, 2]
+    assert kept(filter_logits(logits, 1, 1.0)) == [0]
+
+
+def test_greedy_sampling_equals_model_generate_past_the_training_length():
+    model = random_model()
+    prompt = [5, 9, 2, 33, 7]
+    ours = list(sample(model, prompt, 30, greedy=True))
+    assert ours == model.generate(torch.tensor([prompt]), 30, greedy=True)[0, len(prompt):].tolist()
+
+
+def test_seed_fixes_the_sample_and_stop_ends_it():
+    model = random_model()
+    first = list(sample(model, [1, 2, 3], 40, temperature=1.5, top_p=0.9, seed=7))
+    assert first == list(sample(model, [1, 2, 3], 40, temperature=1.5, top_p=0.9, seed=7))
+    assert first != list(sample(model, [1, 2, 3], 40, temperature=1.5, top_p=0.9, seed=8))
+    stopped = list(sample(model, [1, 2, 3], 40, temperature=1.5, top_p=0.9, seed=7, stop=first[5]))
+    assert stopped == first[: first.index(first[5]) + 1]
+
+
+class ByteTokenizer:
+    """ids are UTF-8 bytes: one character can take several tokens, as with byte fallback."""
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_printer_holds_back_a_partial_character():
+    out = io.StringIO()
+    printer = Printer(ByteTokenizer(), out)
+    writes = []
+    for b in "aé🙂".encode():
+        printer.add(b)
+        writes.append(out.getvalue())
+    assert writes == ["a", "a", "aé", "aé", "aé", "aé", "aé🙂"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["prompt=x"], "run= is required"),
+    (["run=/no/such/run", "prompt=x"], "run or checkpoint not found: /no/such/run"),
+    (["run=r", "top_p=0"], "top_p=0.0 must be in (0, 1]"),
+    (["run=r", "max_new_tokens=many"], "max_new_tokens='many' is not a valid int"),
+    (["run=r", "greedy=yes"], "greedy='yes' is not a valid bool"),
+    (["run=r", "colour=red"], "unknown argument 'colour=red'"),
+    (["run=r", "rope_scaling=cubic:2", "prompt=x"], "type 'cubic' is not one of"),
+])
+def test_bad_input_is_one_line(argv, expected, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expected in err
+
+
+# ---- slow: the command on a trained run ------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("generate_run")
+    done = subprocess.run([sys.executable, "-m", "train", "experiment=micro", "logger=none", "logger.progress=false",
+                           f"run_dir={root / 'run'}", f"data.cache_dir={root / 'cache'}", "max_steps=10",
+                           "ckpt_every=10", "eval_every=10"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "run"
+
+
+def generate(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "generate", *args], cwd=REPO, env=_env(), input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_cli_fixed_seed_fixed_text_and_greedy_equals_ours(run):
+    args = (f"run={run}", "max_new_tokens=24", "temperature=1.0", "top_k=50", "top_p=0.95", "stop_at_eos=false")
+    first = generate(*args, "prompt=def ", "seed=3")
+    assert first.returncode == 0 and first.stderr == "", first.stderr
+    assert first.stdout.strip()
+    assert generate(*args, "seed=3", stdin="def ").stdout == first.stdout  # prompt from stdin
+    assert generate(*args, "prompt=def ", "seed=4").stdout != first.stdout
+    greedy = generate(f"run={run}", "prompt=import os", "greedy=true", "max_new_tokens=16", "stop_at_eos=false",
+                      "rope_scaling=dynamic:4")
+    model, _, tok = load_model(str(run))
+    model.set_rope_scaling("dynamic", 4.0)
+    prompt = [tok.eos_id] + tok.encode("import os")
+    want = tok.decode(model.generate(torch.tensor([prompt]), 16, greedy=True)[0, len(prompt):].tolist())
+    assert greedy.stdout == want + "\n"
+
+
+@pytest.mark.slow
+def test_cli_bad_run_is_one_line_on_stderr(tmp_path):
+    done = generate(f"run={tmp_path}", "prompt=x")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [f"error: no complete checkpoint found in {tmp_path}"]

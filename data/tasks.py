@@ -210,10 +210,9 @@ def recall_vocab(tokenizer) -> RecallVocab:
 
     Keys are pairs of pieces (enough distinct keys for thousands of pairs), values single pieces.
     """
-    sp = tokenizer._sp if hasattr(tokenizer, "_sp") else tokenizer
     words = []
-    for i in range(sp.get_piece_size()):
-        piece = sp.id_to_piece(i)
+    for i in range(tokenizer.vocab_size):
+        piece = tokenizer.piece(i)
         word = piece[1:]
         if piece.startswith("\u2581") and len(word) >= 2 and word.isascii() and word.isalpha() and word.islower():
             words.append(i)

@@ -77,6 +77,10 @@ class Tokenizer:
             ids += self._sp.encode(part)
         return ids
 
+    def piece(self, token_id: int) -> str:
+        """The vocabulary entry of an id (`▁` marks a leading space)."""
+        return self._sp.id_to_piece(token_id)
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 

@@ -97,7 +97,7 @@ def test_passkey_rows_are_the_evaluation_prompt(tok):
 
 def test_answer_only_rows_train_the_key_alone(tok):
     cursor = SyntheticCursor(_source("passkey", loss_on="answer"), tok, seed=0, rank=0, worker=0)
-    batch = torch.from_numpy(torch.stack([torch.from_numpy(b) for b in _blocks(cursor, 8)]).numpy())
+    batch = torch.stack([torch.from_numpy(b) for b in _blocks(cursor, 8)])
     inputs, targets = split_block(batch)
     assert (inputs >= 0).all()
     for row in range(8):

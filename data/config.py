@@ -81,6 +81,9 @@ class TokenizerConfig:
 
     model_path: an existing `.model` file; when empty one is trained and cached under cache_dir.
     sample_docs: documents of the train split used for training (drawn across sources by weight).
+    digit_pairs: numbers become two-digit pieces ("71432" -> 71 43 2) instead of one piece per
+      digit. A small model copies a number by induction (each piece points to the next one), which
+      fails whenever a piece repeats inside the number; pairs make repeats rare.
     """
 
     vocab_size: int = 4096
@@ -88,6 +91,7 @@ class TokenizerConfig:
     character_coverage: float = 0.9995
     sample_docs: int = 400
     max_sentences: int = 200_000
+    digit_pairs: bool = False
 
     def __post_init__(self) -> None:
         if self.vocab_size < 300:

@@ -91,6 +91,8 @@ class Tokenizer:
 def _cache_key(cfg: DataConfig) -> str:
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("model_path")
+    if not tok["digit_pairs"]:
+        tok.pop("digit_pairs")  # keys of tokenizers cached before the option existed stay valid
     text = [s for s in cfg.sources if s.is_text]
     total = sum(s.weight for s in text)
     synthetic_only = ("task", "loss_on", "queries", "min_len")
@@ -147,6 +149,7 @@ def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
             add_dummy_prefix=False,
             allow_whitespace_only_pieces=True,
             split_digits=True,
+            user_defined_symbols=[f"{i:02d}" for i in range(100)] if tok.digit_pairs else [],
             pad_id=PAD_ID,
             unk_id=UNK_ID,
             bos_id=BOS_ID,
@@ -164,6 +167,12 @@ def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
                 f"data.tokenizer.vocab_size={tok.vocab_size} is too large for the corpus sample of "
                 f"sources {names} ({len(docs)} documents supports at most {limit.group(1)}); "
                 "lower vocab_size or raise sample_docs"
+            ) from None
+        small = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(e))
+        if small:
+            raise ValueError(
+                f"data.tokenizer.vocab_size={tok.vocab_size} is too small: the characters of sources {names} "
+                f"and the special pieces need {small.group(2)}; raise vocab_size"
             ) from None
         raise
     proto.seek(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,27 @@ LOSS_ON = ("all", "answer")
 SPLITS = ("train", "val", "test")
 
 
+class DataError(ValueError):
+    """An input exists but its content is unusable (an empty or binary corpus file, no documents
+    for a split, a file that is not a tokenizer model): command lines exit 1 on it, and 2 on every
+    other `ValueError` (the command line itself is wrong). A `ValueError`, so callers that catch
+    those keep working."""
+
+
+def check_dir(path: str | os.PathLike, key: str) -> None:
+    """Refuse, before any work, a directory that cannot be created or written into: a file in the
+    way (at `path` or above it) or no write permission. `key` names the setting in the message."""
+    target = Path(path).expanduser().absolute()
+    for p in (target, *target.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is" if p == target else f"is under {p}, which is"
+                raise ValueError(f"{key}={str(path)!r} {what} a file, not a directory: give {key} a directory path")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ValueError(f"{key}={str(path)!r}: {p} is not writable: give {key} a writable directory")
+            return
+
+
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
@@ -24,7 +46,8 @@ class SourceConfig:
     """One corpus source.
 
     kind: `stdlib` (this Python's standard-library .py files, no download), `files` (local
-    jsonl/json/txt/parquet; `path` is a glob, may contain `{split}` to name per-split files),
+    jsonl/json/txt/parquet; `path` is a glob; without `{split}` its documents are split by
+    document, see `data.sources`; with `{split}` it names each split's files),
     `hub` (Hugging Face dataset `name`, streamed), `tokens` (a directory written by
     `python -m data.prepare`), `synthetic` (generated retrieval rows, `data.synthetic`).
     split: hub split names for train,val,test (comma separated); unused by other kinds.
@@ -81,9 +104,10 @@ class TokenizerConfig:
 
     model_path: an existing `.model` file; when empty one is trained and cached under cache_dir.
     sample_docs: documents of the train split used for training (drawn across sources by weight).
-    digit_pairs: numbers become two-digit pieces ("71432" -> 71 43 2) instead of one piece per
-      digit. A small model copies a number by induction (each piece points to the next one), which
-      fails whenever a piece repeats inside the number; pairs make repeats rare.
+    digit_group: numbers are cut left to right into pieces of up to this many digits (1: one
+      piece per digit; 2 or 3: every 2- and 3-digit string is a piece, "71432" -> 714 32 with 3).
+      A small model retrieves a number by content far more easily when each of its pieces is the
+      only piece of its length in the prompt: a 5-digit passkey with 3 is a triple and a pair.
     """
 
     vocab_size: int = 4096
@@ -91,7 +115,7 @@ class TokenizerConfig:
     character_coverage: float = 0.9995
     sample_docs: int = 400
     max_sentences: int = 200_000
-    digit_pairs: bool = False
+    digit_group: int = 1
 
     def __post_init__(self) -> None:
         if self.vocab_size < 300:
@@ -100,6 +124,8 @@ class TokenizerConfig:
             )
         if not 0.9 <= self.character_coverage <= 1.0:
             raise ValueError(f"data.tokenizer.character_coverage={self.character_coverage} must be in [0.9, 1]")
+        if self.digit_group not in (1, 2, 3):
+            raise ValueError(f"data.tokenizer.digit_group={self.digit_group} must be 1, 2 or 3")
         if self.sample_docs < 1:
             raise ValueError(f"data.tokenizer.sample_docs={self.sample_docs} must be >= 1")
 
@@ -109,7 +135,9 @@ class DataConfig:
     """The corpus, its tokenizer and the stream settings.
 
     shuffle_buffer: blocks shuffled together in the train split (0 or 1: no shuffle).
-    val_fraction/test_fraction: share of stdlib/files documents (by hash of path) in val/test.
+    val_fraction/test_fraction: share of documents in val/test: stdlib files by a hash of their
+      path, documents of `files` sources (without `{split}`) by a hashed sequence per file
+      (`data.sources.document_split`); not used by `{split}` paths, hub or tokens sources.
     cache_dir: tokenizer cache (relative paths are relative to the repository root).
     """
 

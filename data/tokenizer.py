@@ -91,8 +91,8 @@ class Tokenizer:
 def _cache_key(cfg: DataConfig) -> str:
     tok = dataclasses.asdict(cfg.tokenizer)
     tok.pop("model_path")
-    if not tok["digit_pairs"]:
-        tok.pop("digit_pairs")  # keys of tokenizers cached before the option existed stay valid
+    if tok["digit_group"] == 1:
+        tok.pop("digit_group")  # keys of tokenizers cached before the option existed stay valid
     text = [s for s in cfg.sources if s.is_text]
     total = sum(s.weight for s in text)
     synthetic_only = ("task", "loss_on", "queries", "min_len")
@@ -127,6 +127,11 @@ def _sentences(docs: Iterable[str], max_chars: int = 4096) -> Iterator[str]:
                     yield line[i : i + max_chars]
 
 
+def digit_pieces(group: int) -> list[str]:
+    """Every digit string of length 2 .. `group`: SentencePiece matches these longest first."""
+    return [str(i).zfill(n) for n in range(2, group + 1) for i in range(10**n)]
+
+
 def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
     """Train a BPE model on `sample_documents(cfg)` and write it to `out` (a .model file)."""
     tok = cfg.tokenizer
@@ -149,7 +154,7 @@ def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
             add_dummy_prefix=False,
             allow_whitespace_only_pieces=True,
             split_digits=True,
-            user_defined_symbols=[f"{i:02d}" for i in range(100)] if tok.digit_pairs else [],
+            user_defined_symbols=digit_pieces(tok.digit_group),
             pad_id=PAD_ID,
             unk_id=UNK_ID,
             bos_id=BOS_ID,

@@ -162,14 +162,15 @@ def test_tokenizer_training_is_deterministic(tmp_path):
     assert get_tokenizer(cfg("a")).sha256 == get_tokenizer(cfg("b")).sha256
 
 
-def test_tokenizer_digit_pairs(tok, tmp_path):
-    """Numbers become two-digit pieces (then one digit for an odd tail); the default splits every digit."""
-    paired = get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=512, sample_docs=20, digit_pairs=True),
-                                      cache_dir=str(tmp_path)))
-    pieces = lambda t, text: [t.piece(i) for i in t.encode(text)]
-    assert pieces(paired, "key 71432.")[-4:] == ["71", "43", "2", "."]
-    assert pieces(tok, "key 71432.")[-6:] == ["7", "1", "4", "3", "2", "."]
-    assert paired.decode(paired.encode("x = 1000001")) == "x = 1000001"
+@pytest.mark.parametrize("group, pieces", [(2, ["71", "43", "2"]), (3, ["714", "32"])])
+def test_tokenizer_digit_group(tok, tmp_path, group, pieces):
+    """Numbers are cut left to right into the longest digit groups; the default splits every digit."""
+    grouped = get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=1600, sample_docs=20, digit_group=group),
+                                       cache_dir=str(tmp_path)))
+    as_pieces = lambda t, text: [t.piece(i) for i in t.encode(text)]
+    assert as_pieces(grouped, "key 71432.")[-len(pieces) - 1:] == pieces + ["."]
+    assert as_pieces(tok, "key 71432.")[-6:] == ["7", "1", "4", "3", "2", "."]
+    assert grouped.decode(grouped.encode("x = 1000001")) == "x = 1000001"
 
 
 def test_tokenizer_pickles(tok):

@@ -13,8 +13,12 @@
 # SEEDS (default "1 2 3"), TEXT_ONLY (1: also the text-only run, seed 1), STEPS (max_steps),
 # JOBS (runs at once, default 2, each on one thread: on a small CPU two one-thread jobs train
 # faster than one two-thread job), EVAL (evaluation overrides replacing the study's, space separated).
-# Resumable: a finished run (DONE) or evaluation (eval/DONE) is skipped, an interrupted training
-# continues from its newest checkpoint. Logs: RUNS/logs/<design>_s<seed>.log.
+# RESULTS (default: none): a folder where each finished run's evaluation JSON and passkey-progress
+# table (passkey at 1x of every checkpoint: the steps it took to the bar) are copied, and the report
+# is written; commit it, and the study continues on another machine where it stopped.
+# Resumable: a run published in RESULTS, a finished run (DONE) or evaluation (eval/DONE) is
+# skipped, an interrupted training continues from its newest checkpoint.
+# Logs: RUNS/logs/<design>_s<seed>.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +27,7 @@ DESIGNS=${DESIGNS:-"origin alibi coca coca_strict"}
 SEEDS=${SEEDS:-"1 2 3"}
 TEXT_ONLY=${TEXT_ONLY:-1}
 JOBS=${JOBS:-2}
+RESULTS=${RESULTS:-}
 # 1x .. 32x of the training length 256
 # (measured: 4 documents at stride 1024 and 20 cases per length took 4 + 4 minutes for ppl and
 # passkey on one thread; these settings take about a third of that)
@@ -33,8 +38,9 @@ mkdir -p "$RUNS/logs"
 if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
 
 one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, where set -e is off
-  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2"
+  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2" published="${RESULTS:+$RESULTS/runs/$1_s$2}"
   shift 2
+  if [ -n "$published" ] && [ -f "$published/DONE" ]; then return 0; fi
   if [ ! -f "$run_dir/DONE" ]; then
     python -m train experiment="study_$design" run_dir="$run_dir" name="study_${design}_s$seed" seed="$seed" \
       data.seed="$seed" resume=auto logger.progress=false ${STEPS:+max_steps=$STEPS} "$@" || return 1
@@ -45,7 +51,15 @@ one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, wh
     if [ "$design" = alibi ]; then scalings="[none]"; fi
     # shellcheck disable=SC2086  # EVAL is a list of overrides
     python -m eval run="$run_dir" task=all scalings="$scalings" progress=false $EVAL || return 1
+    python -m bench.passkey_progress "$run_dir"/checkpoints/step_* --cases 60 \
+      > "$run_dir/eval/passkey_progress.md" || return 1
     touch "$run_dir/eval/DONE"
+  fi
+  if [ -n "$published" ]; then
+    mkdir -p "$published"
+    cp "$run_dir"/eval/*.json "$run_dir"/eval/*.npz "$run_dir/eval/passkey_progress.md" "$run_dir/config.yaml" \
+      "$published/"
+    touch "$published/DONE"
   fi
 }
 
@@ -66,8 +80,11 @@ runs=()
 failed=0
 for item in "${plan[@]}"; do
   read -r design seed <<< "$item"
-  if [ -f "$RUNS/${design}_s$seed/eval/DONE" ]; then runs+=("$RUNS/${design}_s$seed"); else failed=1; fi
+  if [ -n "$RESULTS" ] && [ -f "$RESULTS/runs/${design}_s$seed/DONE" ]; then runs+=("$RESULTS/runs/${design}_s$seed")
+  elif [ -f "$RUNS/${design}_s$seed/eval/DONE" ]; then runs+=("$RUNS/${design}_s$seed")
+  else failed=1; fi
 done
-echo "== report -> $RUNS/report"
-python -m eval.report "${runs[@]}" --out "$RUNS/report"
+report=${RESULTS:-$RUNS/report}
+echo "== report -> $report"
+python -m eval.report "${runs[@]}" --out "$report"
 exit $failed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def run_script(script: str, runs: Path, **env: str) -> str:
 
 
 def check_chain(runs: Path, variants: list[str], lengths: list[int], scalings: dict[str, set[str]],
-                labels: dict[str, str] | None = None) -> None:
+                labels: dict[str, str] | None = None, report_dir: Path | None = None) -> None:
+    report_dir = report_dir or runs / "report"
     for v in variants:
         run = runs / v
         assert (run / "DONE").exists() and (run / "config.yaml").exists()
@@ -43,8 +45,8 @@ def check_chain(runs: Path, variants: list[str], lengths: list[int], scalings: d
         assert sorted({r["length"] for r in ppl_rows}) == lengths
         assert all(r["ppl"] > 1 for r in ppl_rows)
     for name in REPORT_FILES:
-        assert (runs / "report" / name).stat().st_size > 0, f"report/{name} missing or empty"
-    report = (runs / "report" / "compare_report.md").read_text()
+        assert (report_dir / name).stat().st_size > 0, f"report/{name} missing or empty"
+    report = (report_dir / "compare_report.md").read_text()
     for v in variants:
         assert f"| {(labels or LABELS)[v]}" in report, v
 
@@ -70,12 +72,12 @@ def test_paper_reproduction_dry_run(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_study_shortened(tmp_path: Path) -> None:
-    """Two designs x two seeds, two runs at a time: per-run chains, then the seed-aggregated report."""
-    run_script(
-        "reproduce_study.sh", tmp_path, DESIGNS="origin alibi", SEEDS="1 2", TEXT_ONLY="0", STEPS="3",
-        EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
-        "recall.lengths=[256,512] recall.n_cases=2 attention.length=512",
-    )
+    """Two designs x two seeds, two runs at a time: per-run chains, then the seed-aggregated report;
+    published results let the study continue without the runs (another machine)."""
+    study = dict(DESIGNS="origin alibi", SEEDS="1 2", TEXT_ONLY="0", STEPS="3", RESULTS=str(tmp_path / "results"),
+                 EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
+                 "recall.lengths=[256,512] recall.n_cases=2 attention.length=512")
+    run_script("reproduce_study.sh", tmp_path, **study)
     runs = {f"{v}_s{s}": v for v in ("origin", "alibi") for s in (1, 2)}
     for run, design in runs.items():
         cfg = (tmp_path / run / "config.yaml").read_text()
@@ -84,7 +86,16 @@ def test_study_shortened(tmp_path: Path) -> None:
         assert {r["length"] for r in recall} == {256, 512}
     check_chain(tmp_path, list(runs), [256, 512],
                 {run: ({"none"} if v == "alibi" else ROPE_SWEEP) for run, v in runs.items()},
-                labels={run: LABELS[v] for run, v in runs.items()})
-    summary = (tmp_path / "report" / "seeds_summary.csv").read_text()
+                labels={run: LABELS[v] for run, v in runs.items()}, report_dir=tmp_path / "results")
+    summary = (tmp_path / "results" / "seeds_summary.csv").read_text()
     assert "origin + dynamic:4" in summary and ",alibi," in summary
-    assert "Seed-aggregated comparison" in (tmp_path / "report" / "seeds_report.md").read_text()
+    assert "Seed-aggregated comparison" in (tmp_path / "results" / "seeds_report.md").read_text()
+    for run in runs:
+        progress = (tmp_path / "results" / "runs" / run / "passkey_progress.md").read_text()
+        assert f"| {run}/step_00000003 |" in progress
+    summary = (tmp_path / "results" / "seeds_summary.csv").read_text()
+    for run in runs:  # a new machine: no runs, only the published results; nothing is retrained
+        shutil.rmtree(tmp_path / run)
+    run_script("reproduce_study.sh", tmp_path, **study)
+    assert not any((tmp_path / run).exists() for run in runs)
+    assert (tmp_path / "results" / "seeds_summary.csv").read_text() == summary

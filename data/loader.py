@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -12,6 +14,17 @@ from data.sources import check_source, open_source
 from data.stream import PackedStream, stream_sources
 from data.synthetic import SyntheticCursor
 from data.tokenizer import Tokenizer
+
+
+def ignore_stop_signals(_worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: workers ignore SIGTERM and SIGINT.
+
+    Schedulers signal the whole process group; a worker that died of it would crash its rank
+    before the rank could save. The rank stops at a step boundary and shuts its workers down
+    (they also exit on their own if the rank is killed: torch's parent-process watchdog).
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _check_shards(cfg: DataConfig, split: str, rank: int, world_size: int) -> None:
@@ -61,4 +74,5 @@ def build_loader(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: 
         num_workers=cfg.num_workers,
         drop_last=split == "train",
         pin_memory=torch.cuda.is_available(),
+        worker_init_fn=ignore_stop_signals if cfg.num_workers > 0 else None,
     )

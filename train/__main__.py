@@ -2,12 +2,15 @@
 
 Also runs under `torchrun` and `deepspeed --module train` (its `--local_rank=N` is removed
 before the overrides are parsed). Exit codes: 0 done, 1 run error, 2 bad configuration,
-128 + signal after a SIGTERM/SIGINT checkpoint.
+128 + signal (143 SIGTERM, 130 SIGINT) after a signal: every rank finishes its step and the
+checkpoint of that step is complete on disk (a signal before training starts ends the process
+without one: there is nothing new to save).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 
@@ -62,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     from train.checkpoint import CheckpointError
     from train.loop import NonFiniteLossError, run
 
-    dist.init()
     try:
+        dist.init()
         return run(cfg)
+    except KeyboardInterrupt:  # SIGINT before run() takes over the signal (import, rendezvous)
+        print("interrupted before training started: nothing to save", file=sys.stderr)
+        return 128 + signal.SIGINT
     except (ConfigError, CheckpointError, NonFiniteLossError, FileNotFoundError, ValueError) as error:
         if os.environ.get("TRAIN_TRACEBACK"):
             traceback.print_exc()

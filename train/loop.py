@@ -46,7 +46,12 @@ MAX_CONSECUTIVE_SKIPS = 20  # with nonfinite=skip: a run that only produces NaN 
 
 
 class _StopRequest:
-    """Remembers a SIGTERM/SIGINT so the loop can save a checkpoint before exiting."""
+    """Remembers the first SIGTERM/SIGINT so the loop can finish its step and save before exiting.
+
+    Installed before any setup, so a signal during a long start (engine, resume) is not fatal.
+    Repeats are ignored: launchers and schedulers often deliver the same request twice (to the
+    process group and again through the launcher); SIGKILL aborts without saving.
+    """
 
     def __init__(self) -> None:
         self.signum = 0
@@ -54,7 +59,7 @@ class _StopRequest:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
-        self.signum = signum
+        self.signum = self.signum or signum
 
 
 @dataclass
@@ -137,7 +142,9 @@ class _BlockLog:
 
 
 def run(cfg: TrainConfig) -> int:
-    """Train as configured; returns the process exit code (0, or 128 + signal after a stop request)."""
+    """Train as configured; returns the process exit code (0, or 128 + signal after a stop request:
+    every rank stops at the same step, since the request is all-reduced with the step's loss)."""
+    stop = _StopRequest()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata on torch 2.13
     run_dir = Path(cfg.run_dir)
@@ -201,7 +208,6 @@ def run(cfg: TrainConfig) -> int:
 
     peak = device_peak_flops(resolve_precision(cfg.deepspeed.precision), cfg.logger.peak_flops)
     token_flops = flops_per_token(cfg.model, seq_len)
-    stop = _StopRequest()
     exit_code = 0
     batches = iter(loader)
     nan_pending = cfg.debug.nan_at_step  # injected once, into the first micro-batch of that step
@@ -272,7 +278,7 @@ def run(cfg: TrainConfig) -> int:
                 reporter.log({"step": progress.step, "val_loss": val_loss, "val_ppl": float(np.exp(min(val_loss, 50.0))),
                               "tokens_seen": progress.tokens})
                 reporter.message(f"step {progress.step}: val_loss {val_loss:.4f}")
-            if stopping:
+            if stopping and progress.step < cfg.max_steps:  # at max_steps the run is simply done
                 save()
                 exit_code = 128 + (stop.signum or signal.SIGTERM)
                 reporter.message(f"stopped by a signal at step {progress.step}; continue with resume=auto")

@@ -3,9 +3,12 @@
 Layout of `<run_dir>/checkpoints/step_NNNNNNNN/`: DeepSpeed's files (weights, optimizer and
 scheduler state, per ZeRO rank), `client_rank<R>.pt` per rank (step, tokens, data-loader state,
 python/numpy/torch RNG states), `config.yaml` (the resolved run config), `tokenizer.model` and
-`COMPLETE`.
+`COMPLETE` (JSON: step, world size, precision, ZeRO stage and the size of every file).
 A checkpoint is written under `.tmp_step_NNNNNNNN/` and renamed once every rank has finished
 and the `COMPLETE` marker is on disk, so a write killed half-way is never visible.
+A checkpoint is deleted by first renaming it to `.trash_step_NNNNNNNN/` (atomic), then removing
+the files, so a kill during pruning never leaves a directory that looks like a checkpoint; the
+next save removes `.trash_*`, `.tmp_*` and marker-less `step_*` leftovers.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from train import distributed as dist
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_LEFTOVER = re.compile(r"^\.(tmp|trash)_step_\d{8}(_\d+)?$")
 # Fields that fix the parameter shapes and their meaning: a resume must not change them.
 SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "tie_embeddings", "attention")
 
@@ -44,7 +48,7 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=_step_of)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -76,12 +80,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(engine, run_dir: str | Path, step: int, client_state: dict[str, Any], files: dict[str, bytes],
-         keep_last: int, before_commit: Optional[Callable[[], None]] = None) -> Path:
+         keep_last: int, before_commit: Optional[Callable[[], None]] = None,
+         in_prune: Optional[Callable[[], None]] = None) -> Path:
     """Write checkpoint `step` on every rank, then make it visible atomically and prune old ones.
 
     `files` (name -> content: the resolved config, the tokenizer) are written by rank 0.
-    `before_commit` runs on every rank after all files are written and before the marker
-    (the tests use it to kill a process in the middle of a checkpoint).
+    `before_commit` runs on every rank after all files are written and before the marker;
+    `in_prune` runs on rank 0 after an old checkpoint is renamed for deletion and before its
+    files are removed (the tests use them to kill a process at those moments).
     """
     final = step_dir(run_dir, step)
     tmp = final.with_name(f".tmp_{final.name}")
@@ -96,13 +102,24 @@ def save(engine, run_dir: str | Path, step: int, client_state: dict[str, Any], f
     if dist.is_main():
         for name, content in files.items():
             (tmp / name).write_bytes(content)
-        _write_synced(tmp / MARKER, json.dumps({"step": step, "world_size": dist.world_size()}))
-        shutil.rmtree(final, ignore_errors=True)
+        marker = {"step": step, "world_size": dist.world_size(), "precision": _precision(engine),
+                  "zero_stage": int(engine.zero_optimization_stage()), "files": _file_sizes(tmp)}
+        _write_synced(tmp / MARKER, json.dumps(marker))
+        if final.exists():  # the same step saved again (a resume from an older checkpoint)
+            _discard(final)
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-        _prune(Path(run_dir), keep_last)
+        _prune(Path(run_dir), keep_last, step, in_prune)
     dist.barrier()
     return final
+
+
+def _precision(engine) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {str(path.relative_to(root)): path.stat().st_size for path in sorted(root.rglob("*")) if path.is_file()}
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -120,12 +137,43 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prune(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` complete checkpoints; drop leftovers of interrupted writes."""
-    for old in complete_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    for leftover in (run_dir / "checkpoints").glob(".tmp_step_*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+def _discard(path: Path, before_delete: Optional[Callable[[], None]] = None) -> None:
+    """Delete a checkpoint directory so that no crash leaves it looking like one: rename it to
+    `.trash_<name>` (atomic, and invisible to `complete_checkpoints`), then remove its files."""
+    trash = path.with_name(f".trash_{path.name}")
+    if trash.exists():
+        trash = path.with_name(f".trash_{path.name}_{os.getpid()}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    _fsync_dir(path.parent)
+    if before_delete is not None:
+        before_delete()
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _prune(run_dir: Path, keep_last: int, step: int, in_prune: Optional[Callable[[], None]] = None) -> None:
+    """After checkpoint `step` is committed: keep the newest `keep_last` complete checkpoints up to
+    `step`, and discard the rest and every leftover.
+
+    Complete checkpoints beyond `step` belong to a history this run abandoned when it resumed from
+    an older checkpoint (metrics.jsonl was truncated the same way): they go too. Leftovers are
+    `.tmp_*` (an interrupted write), `.trash_*` (an interrupted prune) and `step_*` without a
+    marker (left by an interrupted prune of earlier versions).
+    """
+    root = run_dir / "checkpoints"
+    complete = complete_checkpoints(run_dir)
+    kept = [p for p in complete if _step_of(p) <= step][-keep_last:]
+    for old in complete:
+        if old not in kept:
+            _discard(old, in_prune)
+            in_prune = None
+    for leftover in root.iterdir():
+        if _LEFTOVER.match(leftover.name) or (_STEP_DIR.match(leftover.name) and not (leftover / MARKER).exists()):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def saved_config(ckpt: Path):
@@ -133,7 +181,52 @@ def saved_config(ckpt: Path):
     try:
         return OmegaConf.load(ckpt / "config.yaml")
     except Exception as error:  # noqa: BLE001 - any read/parse failure means the same thing here
-        raise CheckpointError(f"checkpoint {ckpt}: config.yaml is unreadable ({error})") from None
+        raise CheckpointError(
+            f"checkpoint {ckpt}: config.yaml is unreadable ({_first_line(error)}){older_hint(ckpt)}"
+        ) from None
+
+
+def marker(ckpt: Path) -> dict[str, Any]:
+    """The `COMPLETE` marker's fields (older checkpoints hold only step and world_size)."""
+    try:
+        return json.loads((ckpt / MARKER).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {ckpt}: its {MARKER} marker is unreadable ({error}){older_hint(ckpt)}") from None
+
+
+def _damage(ckpt: Path) -> Optional[str]:
+    """What is wrong with the files the marker lists (missing, or not at the size written), if anything."""
+    for name, size in json.loads((ckpt / MARKER).read_text()).get("files", {}).items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def verify(ckpt: Path) -> None:
+    """A cheap integrity check before any expensive setup: every file of the checkpoint, at its size."""
+    marker(ckpt)
+    damage = _damage(ckpt)
+    if damage:
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt: {damage}{older_hint(ckpt)}")
+
+
+def older_hint(ckpt: Path) -> str:
+    """'; resume=<path> continues from step N' naming the newest sound checkpoint older than `ckpt`.
+
+    Not an automatic fall-back: the user decides to drop the newer history (docs/DESIGN.md)."""
+    if not _STEP_DIR.match(ckpt.name):
+        return ""
+    for older in reversed(complete_checkpoints(ckpt.parent.parent)):
+        try:
+            sound = _step_of(older) < _step_of(ckpt) and _damage(older) is None
+        except (OSError, ValueError):
+            sound = False
+        if sound:
+            return f"; resume={older} continues from step {_step_of(older)} (newer checkpoints are then replaced)"
+    return "; there is no older complete checkpoint: start a new run with name=<new name>"
 
 
 def check_compatible(ckpt: Path, model_cfg, world_size: int, *, weights_only: bool) -> None:
@@ -148,27 +241,35 @@ def check_compatible(ckpt: Path, model_cfg, world_size: int, *, weights_only: bo
             )
     if weights_only:
         return
-    marker = json.loads((ckpt / MARKER).read_text())
-    if marker["world_size"] != world_size:
+    written_by = marker(ckpt)["world_size"]
+    if written_by != world_size:
         raise CheckpointError(
-            f"checkpoint {ckpt} was written by {marker['world_size']} ranks, this run has {world_size}: "
+            f"checkpoint {ckpt} was written by {written_by} ranks, this run has {world_size}: "
             "resume with the same number of ranks, or start a new run from its weights with init_from="
         )
 
 
 def load(engine, ckpt: Path) -> dict[str, Any]:
-    """Restore engine (weights, optimizer, scheduler) and this rank's RNG; return its client state."""
+    """Restore engine (weights, optimizer, scheduler) and this rank's RNG; return its client state.
+
+    The optimizer's hyperparameters then follow the current config (`train.schedule.Schedule.apply`):
+    DeepSpeed restores the saved param groups, which hold the values of the run that wrote them.
+    """
     try:
         loaded, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name)
     except Exception as error:  # noqa: BLE001 - DeepSpeed/torch raise many types for a bad file
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt or unreadable: {_first_line(error)}") from None
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt or unreadable: {_first_line(error)}{older_hint(ckpt)}") from None
     if loaded is None:
-        raise CheckpointError(f"checkpoint {ckpt} is missing DeepSpeed files")
+        raise CheckpointError(f"checkpoint {ckpt} is missing DeepSpeed files{older_hint(ckpt)}")
+    if hasattr(engine.lr_scheduler, "apply"):
+        engine.lr_scheduler.apply()
     path = ckpt / f"client_rank{dist.rank()}.pt"
     try:
         client = torch.load(path, weights_only=False)
     except Exception as error:  # noqa: BLE001
-        raise CheckpointError(f"checkpoint file {path} is corrupt or unreadable: {_first_line(error)}") from None
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupt or unreadable: {_first_line(error)}{older_hint(ckpt)}"
+        ) from None
     set_rng_state(client.pop("rng"))
     return client
 

@@ -123,12 +123,15 @@ class DebugConfig:
 
     nan_at_step: make rank 0's loss of this (1-based) step NaN (every rank must stop or skip).
     kill_in_checkpoint_at_step: SIGKILL this process half-way through writing that checkpoint.
+    kill_in_prune_at_step: SIGKILL rank 0 while the save of that step deletes an old checkpoint
+      (after its atomic rename, before its files are removed).
     step_sleep_s: sleep after each step (lets a test kill a run at a known point).
     log_blocks: write every training block (fingerprint and tokens) to `blocks_rank<R>.jsonl`.
     """
 
     nan_at_step: int = -1
     kill_in_checkpoint_at_step: int = -1
+    kill_in_prune_at_step: int = -1
     step_sleep_s: float = 0.0
     log_blocks: bool = False
 

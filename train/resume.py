@@ -1,0 +1,157 @@
+"""What a resume may change: one rule per config key, checked before anything is written.
+
+`resume=auto` / `resume=<path>` continues a run with the config given now. A setting either takes
+effect from the resumed step on (HONOUR) or is refused with one line naming it (REFUSE), before the
+tokenizer, data or engine are set up and before `config.yaml` / `deepspeed.json` are rewritten.
+A key takes the rule of its longest listed prefix; docs/DESIGN.md mirrors this table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from train import checkpoint
+from train.checkpoint import CheckpointError
+from train.config import TrainConfig
+from train.export import TOKENIZER_FILE
+
+HONOUR, REFUSE = "honour", "refuse"
+
+_SCHEDULE = "the schedule is evaluated with the new value from the resumed step on"
+_GROUPS = "set on the optimizer's param groups after the checkpoint is loaded"
+_LOADER = "the data loader's saved position cannot follow it"
+_FUNCTION = "it changes the function the saved weights were trained for"
+_START = "it acts only at a run's start, so config.yaml would misreport the run"
+_LAYOUT = "DeepSpeed cannot load the saved optimizer state under it (a ZeRO-0 checkpoint loads under ZeRO-1 with fresh optimizer moments, silently)"
+
+RULES: dict[str, tuple[str, str]] = {
+    "optim.lr": (HONOUR, _SCHEDULE),
+    "optim.min_lr": (HONOUR, _SCHEDULE),
+    "optim.warmup_steps": (HONOUR, _SCHEDULE),
+    "optim.warmup_init_lr": (HONOUR, _SCHEDULE),
+    "optim.decay": (HONOUR, _SCHEDULE),
+    "max_steps": (HONOUR, _SCHEDULE + " (it must not be below the checkpoint's step)"),
+    "optim.weight_decay": (HONOUR, _GROUPS),
+    "optim.beta1": (HONOUR, _GROUPS),
+    "optim.beta2": (HONOUR, _GROUPS),
+    "optim.eps": (HONOUR, _GROUPS),
+    "optim.grad_clip": (HONOUR, "DeepSpeed clips with the new config's value"),
+    "batch_size": (HONOUR, "only the gradient accumulation changes: each rank's loader continues its micro-batches"),
+    "eval_every": (HONOUR, "read every step"),
+    "eval_batches": (HONOUR, "the validation set is rebuilt at start"),
+    "ckpt_every": (HONOUR, "read every step"),
+    "keep_last": (HONOUR, "applied at the next save"),
+    "nonfinite": (HONOUR, "read every step"),
+    "compile": (HONOUR, "same parameters, same math"),
+    "logger": (HONOUR, "reporting only"),
+    "debug": (HONOUR, "fault injection for tests"),
+    "name": (HONOUR, "a label (W&B run name)"),
+    "run_dir": (HONOUR, "where this run writes; resume=<path> may read another run's checkpoint"),
+    "resume": (HONOUR, "how the checkpoint is found"),
+    "init_from": (HONOUR, "exclusive with resume"),
+    "model": (REFUSE, _FUNCTION),
+    "model.vocab_size": (REFUSE, "it fixes the parameter shapes"),
+    "model.n_layer": (REFUSE, "it fixes the parameter shapes"),
+    "model.n_head": (REFUSE, "it fixes the parameter shapes"),
+    "model.n_embd": (REFUSE, "it fixes the parameter shapes"),
+    "model.ffn_hidden": (REFUSE, "it fixes the parameter shapes"),
+    "model.tie_embeddings": (REFUSE, "it fixes the parameter shapes"),
+    "model.max_seq_len": (REFUSE, "the data loader's saved position is counted in blocks of this length"),
+    "model.init_std": (REFUSE, _START),
+    "model.activation_checkpointing": (HONOUR, "recomputation only, same math"),
+    "data": (REFUSE, _LOADER),
+    "data.cache_dir": (HONOUR, "a location; the tokenizer found there must equal the checkpoint's"),
+    "data.tokenizer.model_path": (HONOUR, "a location; the tokenizer found there must equal the checkpoint's"),
+    "micro_batch_size": (REFUSE, _LOADER),
+    "seed": (REFUSE, _START),
+    "deepspeed": (REFUSE, _LAYOUT),
+    "deepspeed.precision": (REFUSE, "the saved weights and optimizer state are laid out for the precision they were trained in"),
+    "deepspeed.fp16_initial_scale_power": (REFUSE, _START + " (the loss scale is restored)"),
+}
+
+
+def rule(key: str) -> tuple[str, str]:
+    """The rule of `key`: its own, or its longest listed prefix's; unlisted keys are refused."""
+    parts = key.split(".")
+    for end in range(len(parts), 0, -1):
+        found = RULES.get(".".join(parts[:end]))
+        if found is not None:
+            return found
+    return REFUSE, "no rule says a resume may change it"
+
+
+def leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of a nested config (lists, such as data.sources, are one value)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":")) if not isinstance(value, (int, float, str)) or isinstance(value, bool) else str(value)
+
+
+def _saved(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's config, with keys it predates at their schema defaults (keys this version
+    no longer has are left out: nothing could honour them)."""
+    saved = checkpoint.saved_config(ckpt)
+    schema = OmegaConf.structured(TrainConfig)
+    try:
+        return leaves(OmegaConf.to_container(OmegaConf.merge(schema, saved), resolve=True))
+    except (OmegaConfBaseException, ValueError, TypeError):
+        return {**leaves(OmegaConf.to_container(schema)), **leaves(OmegaConf.to_container(saved, resolve=True))}
+
+
+def check(ckpt: Path, cfg: TrainConfig, world_size: int) -> list[str]:
+    """Refuse a resume that cannot continue as configured (one line naming every refused key);
+    return the honoured changes as `key old -> new` for the log."""
+    from train.engine import resolve_precision  # imports DeepSpeed
+
+    checkpoint.verify(ckpt)
+    marker = checkpoint.marker(ckpt)
+    old, new = _saved(ckpt), leaves(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    old["deepspeed.precision"] = marker.get("precision") or resolve_precision(old["deepspeed.precision"])
+    new["deepspeed.precision"] = resolve_precision(new["deepspeed.precision"])
+    refused, reasons, honoured = [], [], []
+    for key in sorted(new):
+        before, after = old.get(key), new[key]
+        if before == after or key in ("resume", "init_from"):
+            continue
+        verdict, why = rule(key)
+        if verdict == HONOUR:
+            honoured.append(f"{key} {_show(before)} -> {_show(after)}")
+        else:
+            refused.append(key)
+            reasons.append(f"{key}: {why}")
+    if refused:
+        has = ", ".join(f"{key}={_show(old.get(key))}" for key in refused)
+        wants = ", ".join(f"{key}={_show(new[key])}" for key in refused)
+        raise CheckpointError(
+            f"checkpoint {ckpt} has {has}, this run has {wants} ({'; '.join(reasons)}): resume with the "
+            f"checkpoint's values, or start a new run from its weights with init_from={ckpt} name=<new name>"
+        )
+    if cfg.max_steps < marker["step"]:
+        raise CheckpointError(
+            f"max_steps={cfg.max_steps} is below the step of checkpoint {ckpt} ({marker['step']}): "
+            f"set max_steps >= {marker['step']}"
+        )
+    checkpoint.check_compatible(ckpt, cfg.model, world_size, weights_only=False)
+    return honoured
+
+
+def check_tokenizer(ckpt: Path, tokenizer_path: str | Path) -> None:
+    """The tokenizer this run loaded must be the one the checkpoint was trained with."""
+    saved = ckpt / TOKENIZER_FILE
+    if saved.is_file() and saved.read_bytes() != Path(tokenizer_path).read_bytes():
+        raise CheckpointError(
+            f"the tokenizer {tokenizer_path} differs from the one checkpoint {ckpt} was trained with: "
+            f"set data.tokenizer.model_path={saved}"
+        )

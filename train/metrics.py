@@ -1,6 +1,12 @@
 """Rank-0 reporting: console progress bar, `metrics.jsonl`, W&B, and model FLOPs utilisation.
 
 MFU = achieved model FLOP/s / the device's peak (`train.flops`).
+
+`metrics.jsonl` is the run's complete record (flushed per line, truncated to the resumed step on a
+resume). W&B may lose its tail on a hard kill (it writes its records in batches), so a resumed run
+continues the same W&B run id and first logs every `metrics.jsonl` record the W&B run does not hold:
+those at or after its `starting_step` (online: the step after the last one the server received;
+offline: 0, so the newest `wandb/offline-run-*` directory holds the whole history).
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ class Reporter:
         self.file = open(self.path, "a")
         mode = wandb_mode(cfg.wandb)
         if mode != "disabled":
-            self.wandb_run = _init_wandb(cfg, run_dir, run_name, config, mode)
+            self.wandb_run = _init_wandb(cfg, run_dir, run_name, config, mode, resumed=resumed_step > 0)
+            self._backfill()
         if cfg.progress:
             self.bar = tqdm(total=max_steps, initial=resumed_step, desc="train", dynamic_ncols=True,
                             file=sys.stderr, mininterval=1.0)
@@ -63,7 +70,18 @@ class Reporter:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            self._to_wandb(record)
+
+    def _to_wandb(self, record: dict[str, Any]) -> None:
+        self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def _backfill(self) -> None:
+        """Log the `metrics.jsonl` records the W&B run lacks (see the module docstring)."""
+        first = self.wandb_run.starting_step
+        for line in self.path.read_text().splitlines():
+            record = json.loads(line)
+            if record["step"] >= first:
+                self._to_wandb(record)
 
     def progress(self, step: int, **values: str) -> None:
         if self.bar is not None:
@@ -96,11 +114,14 @@ def _truncate_after(path: Path, step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
-def _init_wandb(cfg: LoggerConfig, run_dir: Path, run_name: str, config: dict[str, Any], mode: str):
+def _init_wandb(cfg: LoggerConfig, run_dir: Path, run_name: str, config: dict[str, Any], mode: str,
+                *, resumed: bool):
+    """The run's W&B run: the same id when resuming from a checkpoint; a new one when the run starts
+    at step 0 (W&B cannot rewind a run's history to an earlier step)."""
     import wandb
 
     id_file = run_dir / "wandb_id.txt"
-    if not id_file.is_file():
+    if not resumed or not id_file.is_file():
         id_file.write_text(uuid.uuid4().hex[:8])
     return wandb.init(
         project=cfg.project,

@@ -30,6 +30,7 @@ from data.tokenizer import get_tokenizer
 from model import GPT
 from train import checkpoint
 from train import distributed as dist
+from train import resume
 from train.config import ConfigError, TrainConfig
 from train.engine import build_engine, deepspeed_config, resolve_precision
 from train.export import TOKENIZER_FILE, fp32_state_dict
@@ -152,9 +153,12 @@ def run(cfg: TrainConfig) -> int:
     seq_len = cfg.model.max_seq_len
     grad_accum = cfg.grad_accum(world)
     resume_from = _resume_checkpoint(cfg)
+    changed = resume.check(resume_from, cfg, world) if resume_from is not None else []
     init_from = checkpoint.find_checkpoint(cfg.init_from) if cfg.init_from else None
 
     tokenizer = get_tokenizer(cfg.data)
+    if resume_from is not None:
+        resume.check_tokenizer(resume_from, tokenizer.path)
     if tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={cfg.model.vocab_size}: "
@@ -166,8 +170,6 @@ def run(cfg: TrainConfig) -> int:
     if init_from is not None:
         checkpoint.check_compatible(init_from, cfg.model, world, weights_only=True)
         model.load_state_dict(fp32_state_dict(init_from))
-    if resume_from is not None:
-        checkpoint.check_compatible(resume_from, cfg.model, world, weights_only=False)
     if cfg.compile:
         model.compile_blocks()
     engine = build_engine(model, cfg, world)
@@ -194,16 +196,19 @@ def run(cfg: TrainConfig) -> int:
                         enabled=dist.is_main(), resumed_step=progress.step, max_steps=cfg.max_steps)
     blocks = _BlockLog(run_dir, progress.step) if cfg.debug.log_blocks else None
     if resume_from is not None:
-        reporter.message(f"resumed from {resume_from} at step {progress.step}")
+        reporter.message(f"resumed from {resume_from} at step {progress.step}"
+                         + (f" with changed settings: {', '.join(changed)}" if changed else ""))
 
     def save() -> None:
         def kill_now() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         hook = kill_now if progress.step == cfg.debug.kill_in_checkpoint_at_step else None
+        prune_hook = kill_now if progress.step == cfg.debug.kill_in_prune_at_step else None
         client = {"step": progress.step, "tokens": progress.tokens, "skipped": progress.skipped,
                   "loader": loader.state_dict()}
-        path = checkpoint.save(engine, run_dir, progress.step, client, files, cfg.keep_last, before_commit=hook)
+        path = checkpoint.save(engine, run_dir, progress.step, client, files, cfg.keep_last, before_commit=hook,
+                               in_prune=prune_hook)
         reporter.message(f"saved {path}")
 
     peak = device_peak_flops(resolve_precision(cfg.deepspeed.precision), cfg.logger.peak_flops)
@@ -215,6 +220,7 @@ def run(cfg: TrainConfig) -> int:
     window_start, window_tokens = time.perf_counter(), progress.tokens
     try:
         while progress.step < cfg.max_steps:
+            lr = engine.get_lr()[0]  # what this step's update uses (logged as is)
             loss_sum, done, pre_step_norm = 0.0, 0, None
             while done < grad_accum:
                 batch = next(batches)
@@ -256,7 +262,6 @@ def run(cfg: TrainConfig) -> int:
                 time.sleep(cfg.debug.step_sleep_s)
 
             loss_mean = loss_total / world
-            lr = lr_at(progress.step - 1, cfg.optim, cfg.max_steps)
             if progress.step % cfg.logger.log_every == 0 or progress.step == cfg.max_steps:
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = (progress.tokens - window_tokens) / max(elapsed, 1e-9)

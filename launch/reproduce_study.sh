@@ -13,7 +13,7 @@
 # SEEDS (default "1 2 3"), TEXT_ONLY (1: also the text-only run, seed 1), STEPS (max_steps),
 # JOBS (runs at once, default 2, each on one thread: on a small CPU two one-thread jobs train
 # faster than one two-thread job), EVAL (evaluation overrides replacing the study's, space separated).
-# RESULTS (default: none): a folder where each finished run's evaluation JSON and passkey-progress
+# RESULTS (default: none): a folder path where each finished run's evaluation JSON and passkey-progress
 # table (passkey at 1x of every checkpoint: the steps it took to the bar) are copied, and the report
 # is written; commit it, and the study continues on another machine where it stopped.
 # Resumable: a run published in RESULTS, a finished run (DONE) or evaluation (eval/DONE) is
@@ -38,7 +38,7 @@ mkdir -p "$RUNS/logs"
 if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
 
 one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, where set -e is off
-  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2" published="${RESULTS:+$RESULTS/runs/$1_s$2}"
+  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2" published="${RESULTS:+$RESULTS/$1_s$2}"
   shift 2
   if [ -n "$published" ] && [ -f "$published/DONE" ]; then return 0; fi
   if [ ! -f "$run_dir/DONE" ]; then
@@ -80,7 +80,7 @@ runs=()
 failed=0
 for item in "${plan[@]}"; do
   read -r design seed <<< "$item"
-  if [ -n "$RESULTS" ] && [ -f "$RESULTS/runs/${design}_s$seed/DONE" ]; then runs+=("$RESULTS/runs/${design}_s$seed")
+  if [ -n "$RESULTS" ] && [ -f "$RESULTS/${design}_s$seed/DONE" ]; then runs+=("$RESULTS/${design}_s$seed")
   elif [ -f "$RUNS/${design}_s$seed/eval/DONE" ]; then runs+=("$RUNS/${design}_s$seed")
   else failed=1; fi
 done

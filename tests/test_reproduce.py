@@ -91,7 +91,7 @@ def test_study_shortened(tmp_path: Path) -> None:
     assert "origin + dynamic:4" in summary and ",alibi," in summary
     assert "Seed-aggregated comparison" in (tmp_path / "results" / "seeds_report.md").read_text()
     for run in runs:
-        progress = (tmp_path / "results" / "runs" / run / "passkey_progress.md").read_text()
+        progress = (tmp_path / "results" / run / "passkey_progress.md").read_text()
         assert f"| {run}/step_00000003 |" in progress
     summary = (tmp_path / "results" / "seeds_summary.csv").read_text()
     for run in runs:  # a new machine: no runs, only the published results; nothing is retrained

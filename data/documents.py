@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from data.config import DataConfig, check_split
-from data.sources import open_source, text_of
+from data.sources import by_document, open_source, text_of
 from data.tokenizer import Tokenizer
 
 
 def long_documents(cfg: DataConfig, tokenizer: Tokenizer, *, min_tokens: int, n_docs: int,
-                   split: str = "test", seed: int = 0) -> list[list[int]]:
+                   split: str = "test", seed: int = 0, whole: bool = False) -> list[list[int]]:
     """The first `n_docs` documents with >= `min_tokens` tokens, each truncated to `min_tokens`.
 
     Sources are read in config order, each in its seeded document order, so the result is a
     function of (corpus, tokenizer, split, seed). Ids are the raw document tokens: no BOS/EOS
     (training streams put EOS between documents; prepend `tokenizer.eos_id` to mimic that).
+    `whole`: by-document `files` sources give all their documents, not just `split`'s
+    (`data.sources.open_source`; how `python -m eval` reads explicitly named files).
     """
     check_split(split)
     if min_tokens < 1 or n_docs < 1:
@@ -22,7 +24,7 @@ def long_documents(cfg: DataConfig, tokenizer: Tokenizer, *, min_tokens: int, n_
     for src in cfg.sources:
         if not src.is_text:
             continue
-        for example in open_source(src, split, cfg, seed=seed):
+        for example in open_source(src, split, cfg, seed=seed, whole=whole):
             text = text_of(example, src)
             if len(text.encode("utf-8", errors="replace")) < min_tokens:
                 continue  # a token is at least one byte: cannot reach min_tokens
@@ -32,8 +34,9 @@ def long_documents(cfg: DataConfig, tokenizer: Tokenizer, *, min_tokens: int, n_
                 if len(found) == n_docs:
                     return found
     names = ", ".join(s.describe() for s in cfg.sources)
+    where = "all documents" if whole and any(by_document(s) for s in cfg.sources) else f"split {split!r}"
     raise ValueError(
-        f"only {len(found)} documents with >= {min_tokens} tokens in split {split!r} of sources {names}; "
+        f"only {len(found)} documents with >= {min_tokens} tokens in {where} of sources {names}; "
         f"asked for {n_docs}"
     )
 
@@ -48,24 +51,23 @@ def count_long_documents(cfg: DataConfig, tokenizer: Tokenizer, thresholds: list
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m data.documents [split] [key=value ...]`: long-document counts of a data config."""
-    import argparse
-
-    from omegaconf.errors import OmegaConfBaseException
-
+    from data.cli import OneLineParser, fail
     from data.tokenizer import config_from_overrides, get_tokenizer
 
-    parser = argparse.ArgumentParser(prog="python -m data.documents", description=main.__doc__.split(": ")[1])
+    parser = OneLineParser(prog="python -m data.documents", description=main.__doc__.split(": ")[1])
     parser.add_argument("split", nargs="?", default="test", help="train | val | test (default: test)")
-    parser.add_argument("overrides", nargs="*", help="DataConfig overrides, e.g. tokenizer.vocab_size=8192")
+    parser.add_argument("overrides", nargs="*", help="data overrides in train's syntax, e.g. tokenizer.vocab_size=8192")
     args = parser.parse_args(argv)
     if "=" in args.split:  # no split given: the first argument is an override
         args.overrides.insert(0, args.split)
         args.split = "test"
     try:
         cfg = config_from_overrides(args.overrides, None)
-        counts = count_long_documents(cfg, get_tokenizer(cfg), [4096, 8192, 16384, 32768, 65536], args.split)
-    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
-        parser.exit(2, f"error: {e}\n")
+        check_split(args.split)
+        tokenizer = get_tokenizer(cfg, splits=tuple(dict.fromkeys(("train", args.split))))
+        counts = count_long_documents(cfg, tokenizer, [4096, 8192, 16384, 32768, 65536], args.split)
+    except Exception as e:  # noqa: BLE001 -- input errors become one line, anything else re-raises
+        fail(e)
     for t, n in counts.items():
         print(f"{args.split}: {n} documents with >= {t} tokens")
 

@@ -3,6 +3,8 @@ the fly would cost more than reading.
 
     python -m data.prepare --out data_bin [--splits train,val,test] [--shard-tokens N] [key=value ...]
 
+(overrides: train's `data.*` keys without the prefix, in train's syntax; see `data.cli`)
+
 writes `data_bin/{split}_{i:05d}.bin` (documents + EOS, concatenated, uint16 when the vocabulary
 fits, else uint32), `data_bin/tokenizer.model` and `data_bin/meta.json`. Train on it with
 `data.sources=[{kind: tokens, path: data_bin}]`: same loader, same resume contract.
@@ -15,7 +17,6 @@ Its state is just (epoch, blocks taken).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -23,9 +24,9 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-from omegaconf.errors import OmegaConfBaseException
 
-from data.config import SPLITS, DataConfig, SourceConfig, check_split
+from data.cli import OneLineParser, fail
+from data.config import SPLITS, DataConfig, SourceConfig, check_dir, check_split
 from data.sources import open_source, text_of
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 
@@ -35,10 +36,22 @@ CHUNK = 4096  # blocks per chunk of the two-level shuffle
 
 def prepare(cfg: DataConfig, out: str | Path, *, splits: tuple[str, ...] = SPLITS,
             shard_tokens: int = 100_000_000) -> dict:
-    """Tokenize every text source's documents of each split into shards under `out`."""
+    """Tokenize every text source's documents of each split into shards under `out`.
+
+    Everything that can be checked cheaply is checked before the tokenizer (and `out`) is made:
+    the arguments, `out` being a directory, every source having documents for every split.
+    """
+    if shard_tokens < 1:
+        raise ValueError(f"--shard-tokens={shard_tokens} must be >= 1 (tokens per shard file)")
+    for split in splits:
+        check_split(split)
+    for src in cfg.sources:
+        if not src.is_text:
+            raise ValueError(f"source {src.describe()} is not a text corpus: prepare text sources only")
     out = Path(out)
+    check_dir(out, "--out")
+    tok = get_tokenizer(cfg, splits=tuple(dict.fromkeys(("train", *splits))))  # checks the sources first
     out.mkdir(parents=True, exist_ok=True)
-    tok = get_tokenizer(cfg)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     shutil.copyfile(tok.path, out / "tokenizer.model")
     meta = {"tokenizer_sha256": tok.sha256, "dtype": np.dtype(dtype).name, "eos_id": tok.eos_id,
@@ -56,8 +69,6 @@ def prepare(cfg: DataConfig, out: str | Path, *, splits: tuple[str, ...] = SPLIT
                 buf, n_buf = [], 0
 
         for src in cfg.sources:
-            if not src.is_text:
-                raise ValueError(f"source {src.describe()} is not a text corpus: prepare text sources only")
             for example in open_source(src, split, cfg, seed=cfg.seed):
                 ids = tok.encode(text_of(example, src))
                 ids.append(tok.eos_id)
@@ -142,17 +153,17 @@ class TokenCursor:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--splits", default=",".join(SPLITS))
     parser.add_argument("--shard-tokens", type=int, default=100_000_000)
-    parser.add_argument("overrides", nargs="*", help="DataConfig overrides, e.g. tokenizer.vocab_size=8192")
+    parser.add_argument("overrides", nargs="*", help="data overrides in train's syntax, e.g. tokenizer.vocab_size=8192")
     args = parser.parse_args(argv)
     try:
         cfg = config_from_overrides(args.overrides, None)
         meta = prepare(cfg, args.out, splits=tuple(args.splits.split(",")), shard_tokens=args.shard_tokens)
-    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
-        parser.exit(2, f"error: {e}\n")
+    except Exception as e:  # noqa: BLE001 -- input errors become one line, anything else re-raises
+        fail(e)
     for split, info in meta["splits"].items():
         tokens = sum(s["tokens"] for s in info["shards"])
         print(f"{split}: {info['documents']} documents, {tokens} tokens, {len(info['shards'])} shards", file=sys.stdout)

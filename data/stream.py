@@ -36,7 +36,7 @@ from datasets.distributed import split_dataset_by_node
 
 from data.config import DataConfig, SourceConfig
 from data.prepare import TokenCursor
-from data.sources import open_source, text_of
+from data.sources import by_document, open_source, text_of
 from data.synthetic import SyntheticCursor
 from data.tokenizer import Tokenizer
 
@@ -152,13 +152,18 @@ class PackedStream(torch.utils.data.IterableDataset):
     # -- identity of this consumer, stored in and checked against the state -----------------
     def _consumer(self) -> dict:
         info = torch.utils.data.get_worker_info()
-        return {
+        me = {
             "version": STATE_VERSION, "split": self.split, "seq_len": self.seq_len,
             "rank": self.rank, "world_size": self.world_size,
             "worker": info.id if info else 0, "num_workers": info.num_workers if info else 0,
             "sources": [s.describe() for s in self.sources], "seed": self.cfg.seed,
             "shuffle_buffer": self.window,
         }
+        # A key only where it applies: states saved before files were split by document still load
+        # for other sources, and such a state of a `files` source is refused rather than misread.
+        if any(by_document(s) for s in self.sources):
+            me["split_by_document"] = True
+        return me
 
     def state_dict(self) -> dict:
         return self._state if self._state is not None else {**self._consumer(), "start": None}

@@ -8,6 +8,9 @@ kept, byte fallback (every string encodes, no <unk>). SentencePiece writes space
     python -m data.tokenizer encode --model FILE "some text"
     python -m data.tokenizer decode --model FILE 17 42 7
     python -m data.tokenizer info --model FILE
+
+Overrides are train's `data.*` keys without the prefix, in train's syntax (`data.cli`), e.g.
+`'sources=[{kind:files,path:"books/*.jsonl"}]' tokenizer.sample_docs=200`.
 """
 
 from __future__ import annotations
@@ -26,11 +29,10 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import sentencepiece as spm
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from data.config import DataConfig
-from data.sources import open_source, stdlib_fingerprint, text_of
+from data.cli import OneLineParser, data_config, fail
+from data.config import DataConfig, DataError, check_dir
+from data.sources import by_document, check_sources, open_source, stdlib_fingerprint, text_of
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 _SPACE_PIECE = "\u2581"
@@ -42,11 +44,19 @@ class Tokenizer:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        if not Path(self.path).is_file():
+            raise FileNotFoundError(f"tokenizer model {self.path!r} does not exist (or is not a file)")
         self._proto = Path(self.path).read_bytes()
         self._load()
 
     def _load(self) -> None:
-        self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        except RuntimeError:
+            self._sp = None
+        if self._sp is None or self._sp.get_piece_size() <= EOS_ID or self._sp.eos_id() < 0:
+            raise DataError(f"{self.path} is not a SentencePiece tokenizer model; use a .model file written by "
+                            "`python -m data.tokenizer train` (or a run's tokenizer.model)")
         self.vocab_size: int = self._sp.get_piece_size()
         self.pad_id: int = self._sp.pad_id()
         self.unk_id: int = self._sp.unk_id()
@@ -82,7 +92,12 @@ class Tokenizer:
         return self._sp.id_to_piece(token_id)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+        """The text of `ids`; an id outside the vocabulary is a `ValueError` naming it."""
+        ids = [int(i) for i in ids]
+        if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} is out of range: this tokenizer ({self.path}) has ids 0..{self.vocab_size - 1}")
+        return self._sp.decode(ids)
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
@@ -97,6 +112,7 @@ def _cache_key(cfg: DataConfig) -> str:
     total = sum(s.weight for s in text)
     synthetic_only = ("task", "loss_on", "queries", "min_len")
     sources = [{k: v for k, v in dataclasses.asdict(s).items() if k not in synthetic_only} | {"weight": s.weight / total}
+               | ({"split_rule": "document"} if by_document(s) else {})  # its train sample changed with the rule
                for s in text]  # the text sample alone defines the tokenizer, not the synthetic rows
     spec = {
         "version": _CACHE_VERSION,
@@ -189,22 +205,30 @@ def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
     return Tokenizer(out)
 
 
-def get_tokenizer(cfg: DataConfig) -> Tokenizer:
+def get_tokenizer(cfg: DataConfig, splits: tuple[str, ...] = ("train", "val")) -> Tokenizer:
     """Load `cfg.tokenizer.model_path`, or the cached model for this spec, training it once.
 
+    First, whatever the tokenizer's origin, the local sources are checked to have documents for
+    `splits` (the splits the caller reads; training: train and val) and `cfg.cache_dir` to be
+    usable, so a data error is one line before minutes of training, not after.
     Concurrent callers (several ranks) serialize on a file lock; the first trains, the rest load.
     """
+    check_sources(cfg, splits)
     if cfg.tokenizer.model_path:
         path = Path(cfg.tokenizer.model_path).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"data.tokenizer.model_path={str(path)!r} does not exist")
-        return Tokenizer(path)
+            raise FileNotFoundError(f"data.tokenizer.model_path={str(path)!r} does not exist (or is not a file)")
+        try:
+            return Tokenizer(path)
+        except DataError as e:
+            raise DataError(f"data.tokenizer.model_path: {e}") from None
     if not any(s.is_text for s in cfg.sources):
         tokens = [s for s in cfg.sources if s.kind == "tokens"]
         if not tokens:
             raise ValueError("synthetic sources alone have no text to train a tokenizer on: add a text source "
                              "or set data.tokenizer.model_path")
         return Tokenizer(Path(tokens[0].path) / "tokenizer.model")
+    check_dir(cfg.cache_path, "data.cache_dir")
     path = cfg.cache_path / "tokenizers" / f"{_cache_key(cfg)}.model"
     if path.is_file():
         return Tokenizer(path)
@@ -217,21 +241,27 @@ def get_tokenizer(cfg: DataConfig) -> Tokenizer:
 
 
 def config_from_overrides(overrides: list[str], vocab_size: Optional[int]) -> DataConfig:
-    """A DataConfig from `key=value` overrides of the defaults (the command lines' parser)."""
-    conf = OmegaConf.merge(OmegaConf.structured(DataConfig), OmegaConf.from_dotlist(overrides))
-    cfg: DataConfig = OmegaConf.to_object(conf)
+    """A DataConfig from overrides in train's syntax (`data.cli.data_config`), `--vocab-size` last."""
+    cfg = data_config(overrides)
     if vocab_size is not None:
         cfg.tokenizer = dataclasses.replace(cfg.tokenizer, vocab_size=vocab_size)
     return cfg
 
 
+def _check_out(out: str) -> None:
+    """`--out` is a file path whose directory can be created: refuse a directory or a file in the way."""
+    if Path(out).is_dir():
+        raise ValueError(f"--out={out!r} is a directory: give a file path, e.g. {Path(out) / 'tokenizer.model'}")
+    check_dir(Path(out).parent, "--out's directory")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m data.tokenizer", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="python -m data.tokenizer", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     train = sub.add_parser("train", help="train (or reuse from the cache) for a data config")
     train.add_argument("--vocab-size", type=int)
-    train.add_argument("--out", help="also copy the model to this path")
-    train.add_argument("overrides", nargs="*", help="DataConfig overrides, e.g. tokenizer.sample_docs=200")
+    train.add_argument("--out", help="also copy the model to this file")
+    train.add_argument("overrides", nargs="*", help="data overrides in train's syntax, e.g. tokenizer.sample_docs=200")
     for name, help_ in (("encode", "text to ids"), ("decode", "ids to text"), ("info", "model facts")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--model", help=".model file (default: the cached one for the default config)")
@@ -242,23 +272,34 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            tok = get_tokenizer(config_from_overrides(args.overrides, args.vocab_size))
+            cfg = config_from_overrides(args.overrides, args.vocab_size)
             if args.out:
+                _check_out(args.out)
+            tok = get_tokenizer(cfg, splits=("train",))
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.out).write_bytes(Path(tok.path).read_bytes())
             print(f"{tok.path} vocab_size={tok.vocab_size}")
             return
-        tok = Tokenizer(args.model) if args.model else get_tokenizer(DataConfig())
+        tok = Tokenizer(args.model) if args.model else get_tokenizer(DataConfig(), splits=("train",))
         if args.command == "encode":
             print(" ".join(map(str, tok.encode(args.text if args.text is not None else sys.stdin.read()))))
         elif args.command == "decode":
-            ids = args.ids or [int(x) for x in sys.stdin.read().split()]
+            if args.ids:
+                ids = args.ids
+            else:
+                words = sys.stdin.read().split()
+                bad = next((w for w in words if not w.lstrip("-").isdigit()), None)
+                if bad is not None:
+                    raise ValueError(f"stdin: {bad!r} is not a token id; give whole numbers separated by spaces")
+                ids = [int(w) for w in words]
             sys.stdout.write(tok.decode(ids))
         else:
             print(json.dumps({"path": tok.path, "vocab_size": tok.vocab_size, "pad_id": tok.pad_id,
                               "unk_id": tok.unk_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                               "sha256": tok.sha256}, indent=2))
-    except (ValueError, FileNotFoundError, OmegaConfBaseException) as e:
-        parser.exit(2, f"error: {e}\n")
+    except Exception as e:  # noqa: BLE001 -- input errors become one line, anything else re-raises
+        fail(e)
 
 
 if __name__ == "__main__":

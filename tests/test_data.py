@@ -98,15 +98,18 @@ def test_split_by_hash_is_deterministic_and_proportional():
     assert abs(frac["test"] - 0.1) < 0.01 and abs(frac["val"] - 0.05) < 0.01
 
 
-def test_files_without_split_placeholder_are_split_by_path_hash(tmp_path, monkeypatch):
+def test_files_without_split_placeholder_are_split_by_document(tmp_path, monkeypatch):
+    """txt files are one document each: split as whole files (more in tests/test_data_local.py)."""
     for i in range(60):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i}")
     cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "*.txt"))])
-    splits = {s: source_files(cfg.sources[0], s, cfg) for s in ("train", "val", "test")}
-    assert sorted(sum(splits.values(), [])) == sorted(str(p) for p in tmp_path.glob("*.txt"))  # a partition
+    src = cfg.sources[0]
+    splits = {s: sorted(text_of(e, src) for e in open_source(src, s, cfg, seed=0)) for s in ("train", "val", "test")}
+    assert sorted(sum(splits.values(), [])) == sorted(f"document {i}" for i in range(60))  # a partition
     assert all(splits.values())
+    assert source_files(src, "val", cfg) == source_files(src, "train", cfg)  # every split reads every file
     monkeypatch.chdir(tmp_path.parent)  # the assignment does not depend on the working directory
-    assert {s: source_files(cfg.sources[0], s, cfg) for s in splits} == splits
+    assert {s: sorted(text_of(e, src) for e in open_source(src, s, cfg, seed=0)) for s in splits} == splits
 
 
 def test_file_formats_and_text_field(tmp_path):
@@ -204,8 +207,8 @@ def test_empty_corpus_names_source(tok, tmp_path):
     cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "{split}" / "*.jsonl"))])
     with pytest.raises(ValueError, match=r"source files:.*empty corpus"):
         build_loader(cfg, tok, split="train", seq_len=8, batch_size=1)
-    with pytest.raises(ValueError, match=r"sources files:.*empty corpus"):
-        get_tokenizer(cfg)
+    with pytest.raises(ValueError, match=r"source files:.*empty corpus"):
+        get_tokenizer(cfg)  # found by the sources' check, before any tokenizer training
 
 
 def test_missing_text_field_names_source_and_fields(tok, tmp_path):
@@ -224,7 +227,7 @@ def test_vocabulary_too_large_for_corpus(tmp_path):
     cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "{split}" / "*.txt"))],
                      tokenizer=TokenizerConfig(vocab_size=5000), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=r"vocab_size=5000 is too large for the corpus sample of sources files:"):
-        get_tokenizer(cfg)
+        get_tokenizer(cfg, splits=("train",))
 
 
 def test_invalid_utf8_is_replaced_not_fatal(tok, tmp_path):

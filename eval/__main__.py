@@ -2,7 +2,13 @@
 
 Loads the model once, runs the tasks under each RoPE scaling, writes `<run>/eval/<task>.json` and
 the tables and figures (`eval.report`), and logs them to W&B. Bad input ends with a one-line
-`error: ...` and exit status 2.
+`error: ...`, checked before the model loads where it can be: exit status 2 for a wrong command
+line (key, value, path, device), 1 for an unusable input it names (`data.cli`).
+
+The evaluation corpus: the run's training sources (their `split`, test by default), or the
+`sources=` given here. Files given here are read whole when they are split by document (a path
+without `{split}`): `sources=[{kind:files,path:"books/test.jsonl"}]` evaluates every document of
+that file, whatever its name; a `{split}` path, stdlib or hub sources still read `split`.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.config import DataConfig
+from data.cli import RUNTIME, USAGE
+from data.config import DataConfig, DataError, check_dir
 from data.documents import long_documents
+from data.sources import by_document, source_files
 from data.tasks import make_cases, make_recall_cases, recall_vocab
 from data.tokenizer import Tokenizer
 from eval import report
@@ -57,6 +65,11 @@ class Session:
     meta: dict
 
     @property
+    def whole(self) -> bool:
+        """Explicit `sources=` are the evaluation corpus: by-document files are read whole."""
+        return bool(self.cfg.sources)
+
+    @property
     def train_len(self) -> int:
         return self.train_cfg.model.max_seq_len
 
@@ -69,7 +82,9 @@ class Session:
         """`n_docs` evaluation documents of exactly `n_tokens` ids, the EOS prefix first."""
         try:
             docs = long_documents(self.data, self.tokenizer, min_tokens=n_tokens - 1, n_docs=n_docs,
-                                  split=self.cfg.split, seed=self.cfg.seed)
+                                  split=self.cfg.split, seed=self.cfg.seed, whole=self.whole)
+        except DataError:
+            raise
         except ValueError as e:
             raise EvalError(str(e)) from None
         return [self.prefix + d for d in docs]
@@ -83,14 +98,40 @@ class Session:
         return applicable(requested, self.train_cfg.model.attention)
 
 
+def check_device(device: str) -> None:
+    """A CUDA device that this machine has (else one line, before anything loads)."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise EvalError(f"device={device!r} but this machine has no CUDA device (torch.cuda.is_available() "
+                        "is False); use device=cpu")
+    index = device.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise EvalError(f"device={device!r}: this machine has CUDA devices 0..{torch.cuda.device_count() - 1}")
+
+
+def check_sources_listed(cfg: EvalConfig) -> None:
+    """Explicit local sources exist and hold text files (documents are read after the model loads)."""
+    for src in cfg.sources:
+        if src.kind == "files":
+            source_files(src, cfg.split, DataConfig(sources=[src]))
+        elif not src.is_text:
+            raise EvalError(f"sources: {src.describe()} is not a text corpus; evaluate on stdlib, files or hub sources")
+
+
 def open_session(cfg: EvalConfig) -> Session:
     run = Path(cfg.run)
     if not run.exists():
         raise EvalError(f"run or checkpoint not found: {run}")
+    check_device(cfg.device)
+    out = Path(cfg.out_dir) if cfg.out_dir else run_dir_of(run) / "eval"
+    check_dir(out, "out_dir")
+    check_sources_listed(cfg)
     ckpt = find_checkpoint(run)
     model, train_cfg, tokenizer = load_model(str(ckpt), device=cfg.device)
     m = train_cfg.model
     data = dataclasses.replace(train_cfg.data, sources=list(cfg.sources) or train_cfg.data.sources)
+    whole = bool(cfg.sources) and any(by_document(s) for s in data.sources)
     trained = Scaling(m.rope_scaling.type, m.rope_scaling.factor)
     meta = {
         "run": str(run),
@@ -105,11 +146,11 @@ def open_session(cfg: EvalConfig) -> Session:
         "config_id": config_id(train_cfg),
         "checkpoint": str(ckpt),
         "step": _step_of(ckpt),
-        "source": ", ".join(s.describe() for s in data.sources if s.is_text) + f" ({cfg.split})",
+        "source": ", ".join(s.describe() for s in data.sources if s.is_text)
+                  + (" (whole files)" if whole else f" ({cfg.split})"),
         "device": cfg.device,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    out = Path(cfg.out_dir) if cfg.out_dir else run_dir_of(run) / "eval"
     return Session(cfg, model, train_cfg, tokenizer, data, trained, out, meta)
 
 
@@ -253,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         written = evaluate(cfg)
     except (EvalError, CheckpointError, HydraException, OmegaConfBaseException, ValueError, FileNotFoundError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
+        return RUNTIME if isinstance(e, DataError) else USAGE
     for task, paths in written.items():
         print(f"{task}: " + ", ".join(str(p) for p in paths))
     return 0

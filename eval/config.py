@@ -190,7 +190,10 @@ class EvalConfig:
     run: a training run directory (newest complete checkpoint) or one checkpoint directory.
     scalings: RoPE scalings swept for ppl and passkey, e.g. [none, dynamic:2, dynamic:4];
       empty: just `model.rope_scaling` (type null: the trained setting).
-    sources/split: the evaluation corpus; empty sources: the run's training sources.
+    sources/split: the evaluation corpus; empty sources: the run's training sources (their `split`).
+      Explicit `files` sources without `{split}` are read whole, whatever `split` (the file given
+      is the corpus); `{split}` paths, stdlib and hub sources read `split`.
+    device: cpu, cuda or cuda:N (checked before the model loads).
     out_dir: where results go; null: <run>/eval.
     """
 

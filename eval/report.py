@@ -10,7 +10,6 @@ writes one table and one figure per task with a line per run and scaling.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -21,6 +20,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from data.cli import RUNTIME, USAGE, OneLineParser
+from data.config import DataError, check_dir
 from eval import aggregate, plots
 
 TASKS = ("ppl", "passkey", "recall", "attention")
@@ -38,9 +39,29 @@ def save_json(path: Path, payload: dict) -> Path:
     return path
 
 
+RESULT_LISTS = {"ppl": "rows", "passkey": "cases", "recall": "cases", "attention": "rows"}
+
+
+def load_result(path: Path, task: str) -> dict:
+    """One task's results, or a `DataError` naming the file when it is not what `python -m eval` writes."""
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); "
+                        "delete it and rerun `python -m eval` for that run") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not a text file; delete it and rerun `python -m eval` for that run") from None
+    key = RESULT_LISTS[task]
+    if not (isinstance(result, dict) and isinstance(result.get("meta"), dict) and "label" in result["meta"]
+            and isinstance(result.get(key), list)):
+        raise DataError(f"{path} is not a `python -m eval` {task} result (needs meta.label and a {key} list); "
+                        "delete it and rerun `python -m eval` for that run")
+    return result
+
+
 def load_results(eval_dir: Path) -> dict[str, dict]:
     """The task results present in an eval directory, by task name."""
-    return {t: json.loads((eval_dir / f"{t}.json").read_text()) for t in TASKS if (eval_dir / f"{t}.json").exists()}
+    return {t: load_result(eval_dir / f"{t}.json", t) for t in TASKS if (eval_dir / f"{t}.json").exists()}
 
 
 def save_profiles(path: Path, profiles: dict[str, dict[int, np.ndarray]]) -> Path:
@@ -394,15 +415,17 @@ def _orderings(tests: Sequence[dict], lengths: Sequence[int], lower_is_better: b
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.report", description=__doc__.splitlines()[0])
+    """Exit 0, 2 for a wrong command line (a missing run, --out a file), 1 for a malformed result file."""
+    parser = OneLineParser(prog="python -m eval.report", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (or their eval/ folders)")
     parser.add_argument("--out", type=Path, default=Path("eval_report"), help="output folder")
     args = parser.parse_args(argv)
     try:
+        check_dir(args.out, "--out")
         written = compare(args.runs, args.out)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return RUNTIME if isinstance(e, DataError) else USAGE
     for task, paths in written.items():
         for p in paths:
             print(f"{task}: {p}")

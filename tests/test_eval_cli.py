@@ -92,6 +92,23 @@ def test_all_tasks_with_sweep_report_and_wandb_offline(run, tmp_path):
     assert "| eval (origin) + dynamic:4 |" in md
 
 
+@pytest.mark.slow
+def test_explicit_file_is_evaluated_whole_whatever_its_name(run, tmp_path):
+    """`sources=[{kind:files,path:".../test.jsonl"}]`: both documents, though the by-document
+    test split of a 2-document file holds fewer (the name means nothing, the file is the corpus)."""
+    from data.sources import document_split
+
+    books = tmp_path / "books" / "test.jsonl"
+    books.parent.mkdir()
+    docs = [" ".join(f"word{i * 7 % 13} of book {b}" for i in range(60)) for b in range(2)]
+    books.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert [document_split("test.jsonl", i, 0.05, 0.1) for i in range(2)].count("test") < 2
+    results = evaluate(run, tmp_path / "out", "task=ppl", f"ppl.lengths=[{L0}]", "ppl.n_docs=2",
+                       f'sources=[{{kind:files,path:"{books}"}}]')
+    assert results["ppl"]["rows"][0]["tokens"] == 2 * L0
+    assert results["ppl"]["meta"]["source"] == f"files:{books} (whole files)"
+
+
 def test_missing_run_exits_with_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "eval", f"run={tmp_path / 'nope'}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

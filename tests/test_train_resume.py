@@ -1,0 +1,373 @@
+"""Resuming a run: settings changed on resume (honoured or refused, `train.resume`), crash-safe
+checkpoint pruning, a corrupt newest checkpoint, and W&B history after a hard kill.
+
+Real DeepSpeed and real W&B (offline): the end-to-end runs use `experiment=micro` (one 32-wide
+layer, 32 tokens), seconds each on a free CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from train import checkpoint, resume
+from train.checkpoint import MARKER, CheckpointError, complete_checkpoints
+from train.config import TrainConfig, compose, to_train_config
+from train.schedule import lr_at
+
+REPO = Path(__file__).resolve().parents[1]
+MICRO = ["experiment=micro", "logger.progress=false", "ckpt_every=5"]
+TIMEOUT = 900
+
+
+def _cfg(*overrides: str) -> TrainConfig:
+    return to_train_config(compose(list(overrides)))
+
+
+# ---------------------------------------------------------------- the per-key table
+
+
+def test_every_config_key_has_a_rule_and_the_design_doc_lists_them():
+    keys = resume.leaves(OmegaConf.to_container(OmegaConf.structured(TrainConfig)))
+    unruled = [key for key in keys if resume.rule(key)[1] == "no rule says a resume may change it"]
+    assert not unruled
+    assert resume.rule("data.tokenizer.vocab_size")[0] == resume.REFUSE  # the longest prefix decides
+    assert resume.rule("data.tokenizer.model_path")[0] == resume.HONOUR
+    design = (REPO / "docs" / "DESIGN.md").read_text()
+    missing = [key for key in resume.RULES if f"`{key}`" not in design]
+    assert not missing, f"docs/DESIGN.md does not list {missing}"
+
+
+def _fake_checkpoint(run_dir: Path, step: int, cfg: TrainConfig, **marker) -> Path:
+    """A checkpoint directory holding only what `resume.check` reads (config and marker)."""
+    path = checkpoint.step_dir(run_dir, step)
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    (path / MARKER).write_text(json.dumps({"step": step, "world_size": 1, **marker}))
+    return path
+
+
+def test_resume_check_honours_schedule_keys_and_refuses_the_rest_in_one_line(tmp_path):
+    base = ("experiment=micro", f"run_dir={tmp_path}")
+    ckpt = _fake_checkpoint(tmp_path, 20, _cfg(*base))
+    assert resume.check(ckpt, _cfg(*base, "resume=auto"), 1) == []
+    changed = resume.check(ckpt, _cfg(*base, "optim.lr=1e-2", "max_steps=40", "eval_every=5", "logger.wandb=offline"), 1)
+    assert changed == ["eval_every 10 -> 5", "logger.wandb auto -> offline", "max_steps 30 -> 40", "optim.lr 0.003 -> 0.01"]
+    for override, old, new in [("data.num_workers=1", "data.num_workers=0", "data.num_workers=1"),
+                               ("model.max_seq_len=64", "model.max_seq_len=32", "model.max_seq_len=64"),
+                               ("seed=7", "seed=42", "seed=7"),
+                               ("deepspeed=zero1", "deepspeed.zero_stage=0", "deepspeed.zero_stage=1"),
+                               ("deepspeed.precision=bf16", "deepspeed.precision=fp32", "deepspeed.precision=bf16")]:
+        with pytest.raises(CheckpointError) as error:
+            resume.check(ckpt, _cfg(*base, override), 1)
+        message = str(error.value)
+        assert "\n" not in message and f"has {old}" in message and f"this run has {new}" in message, message
+        assert f"init_from={ckpt}" in message
+    with pytest.raises(CheckpointError, match=r"has data.num_workers=0, micro_batch_size=4, this run has data.num_workers=2, micro_batch_size=2"):
+        resume.check(ckpt, _cfg(*base, "data.num_workers=2", "micro_batch_size=2"), 1)
+    with pytest.raises(CheckpointError, match="max_steps=10 is below the step of checkpoint .* set max_steps >= 20"):
+        resume.check(ckpt, _cfg(*base, "max_steps=10"), 1)
+    with pytest.raises(CheckpointError, match="written by 1 ranks, this run has 2"):  # kept as it was
+        resume.check(ckpt, _cfg(*base), 2)
+
+
+def test_precision_is_compared_as_trained(tmp_path):
+    """`auto` is compared by what it resolved to when the checkpoint was written (its marker)."""
+    ckpt = _fake_checkpoint(tmp_path, 5, _cfg("experiment=micro"), precision="bf16")
+    with pytest.raises(CheckpointError, match="has deepspeed.precision=bf16, this run has deepspeed.precision=fp32"):
+        resume.check(ckpt, _cfg("experiment=micro"), 1)  # auto is fp32 on this CPU
+    assert resume.check(ckpt, _cfg("experiment=micro", "deepspeed.precision=bf16"), 1) == []
+
+
+# ---------------------------------------------------------------- the optimizer really uses the new settings
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-rank gloo process group in this process, for the module (DeepSpeed caches its groups:
+    a second group in one process is not usable), the environment restored afterwards."""
+    from train import distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}.items():
+            patch.setenv(key, value)
+        dist.init()
+        yield
+        dist.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_optimizer_param_groups_follow_the_new_config_after_load(process_group, tmp_path, stage, single_thread):
+    """Read from the optimizer itself: after a checkpoint of an lr=3e-3 run is loaded into an engine
+    built with other lr, warm-up, max_steps, betas, eps and weight decay, every param group holds the
+    new config's values at the saved step, and keeps following the new schedule (under ZeRO the
+    optimizer state is loaded after the scheduler, so this is checked for stage 0 and 1)."""
+    from model import GPT
+    from train.engine import build_engine
+
+    def engine_for(cfg: TrainConfig):
+        torch.manual_seed(0)
+        return build_engine(GPT(cfg.model), cfg, 1)
+
+    def train_step(engine) -> None:
+        tokens = torch.randint(0, 512, (4, 33))
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        engine.step()
+
+    old = _cfg("experiment=micro", f"deepspeed=zero{stage}")
+    engine = engine_for(old)
+    for _ in range(3):
+        train_step(engine)
+    saved = checkpoint.save(engine, tmp_path, 3, {"step": 3}, {}, keep_last=2)
+    new = _cfg("experiment=micro", f"deepspeed=zero{stage}", "optim.lr=1e-2", "optim.min_lr=1e-3", "max_steps=40",
+               "optim.warmup_steps=5", "optim.beta2=0.99", "optim.eps=1e-6", "optim.weight_decay=0.05")
+    engine = engine_for(new)
+    assert checkpoint.load(engine, saved) == {"step": 3}
+    assert engine.lr_scheduler.last_epoch == 3
+    moments = [state["exp_avg"] for state in engine.optimizer.state.values()]
+    assert moments and all(m.abs().sum() > 0 for m in moments)  # the saved Adam moments, not fresh ones
+    for step in (3, 4):
+        groups = engine.optimizer.param_groups
+        assert [g["lr"] for g in groups] == [lr_at(step, new.optim, 40)] * 2
+        assert engine.get_lr() == [lr_at(step, new.optim, 40)] * 2  # what the loop logs
+        assert [tuple(g["betas"]) for g in groups] == [(0.9, 0.99)] * 2
+        assert [g["eps"] for g in groups] == [1e-6] * 2
+        assert [g["weight_decay"] for g in groups] == [0.05, 0.0]  # matrices decay, norms and biases do not
+        train_step(engine)
+    assert lr_at(3, new.optim, 40) != lr_at(3, old.optim, old.max_steps)
+
+
+# ---------------------------------------------------------------- checkpoint lifecycle (no training)
+
+
+def _complete(run_dir: Path, step: int, files: dict[str, bytes] | None = None) -> Path:
+    path = checkpoint.step_dir(run_dir, step)
+    path.mkdir(parents=True)
+    files = files or {"weights.pt": b"x" * 10}
+    for name, content in files.items():
+        (path / name).write_bytes(content)
+    (path / MARKER).write_text(json.dumps({"step": step, "world_size": 1,
+                                           "files": {name: len(content) for name, content in files.items()}}))
+    return path
+
+
+def test_prune_renames_before_deleting_and_cleans_every_leftover(tmp_path):
+    for step in (5, 10, 15, 20):
+        _complete(tmp_path, step)
+    root = tmp_path / "checkpoints"
+    (root / "step_00000001").mkdir()  # what an interrupted prune of earlier versions left: no marker
+    (root / "step_00000001" / "config.yaml").write_text("x")
+    (root / ".tmp_step_00000025").mkdir()  # an interrupted write
+
+    class Killed(Exception):
+        pass
+
+    def kill() -> None:
+        raise Killed
+
+    with pytest.raises(Killed):  # "killed" right after the oldest checkpoint was renamed
+        checkpoint._prune(tmp_path, keep_last=2, step=15, in_prune=kill)
+    names = sorted(p.name for p in root.iterdir())
+    assert ".trash_step_00000005" in names and "step_00000005" not in names
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000010", "step_00000015", "step_00000020"]
+
+    checkpoint._prune(tmp_path, keep_last=2, step=15)
+    # step 20 is newer than the step just saved: a history abandoned by a resume from step 15 or older
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000015"]
+
+
+def test_corrupt_checkpoint_names_the_older_sound_one(tmp_path):
+    older = _complete(tmp_path, 10)
+    broken_older = _complete(tmp_path, 15)
+    newest = _complete(tmp_path, 20)
+    (broken_older / "weights.pt").write_bytes(b"x")
+    checkpoint.verify(older)
+    (newest / "weights.pt").write_bytes(b"x" * 3)
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.verify(newest)
+    assert str(error.value) == (
+        f"checkpoint {newest} is corrupt: weights.pt has 3 bytes, 10 were written; "
+        f"resume={older} continues from step 10 (newer checkpoints are then replaced)"
+    )
+    (older / "weights.pt").unlink()
+    with pytest.raises(CheckpointError, match="weights.pt is missing; there is no older complete checkpoint"):
+        checkpoint.verify(older)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def _args(run_dir: Path, cache: Path, overrides: tuple[str, ...]) -> list[str]:
+    return [sys.executable, "-m", "train", *MICRO, f"run_dir={run_dir}", f"data.cache_dir={cache}", *overrides]
+
+
+def train(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_args(run_dir, cache, overrides), cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache) -> Path:
+    """An uninterrupted 30-step run (checkpoints every 5 steps, the newest two kept), W&B offline."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    ok(train(run_dir, cache, "logger.wandb=offline"))
+    return run_dir
+
+
+def wandb_history(path: Path) -> dict[int, dict]:
+    """History rows of an offline W&B run file, by step. The file is W&B's transaction log in the
+    LevelDB log format (a 7-byte header, then 32 KiB blocks of records: crc32, uint16 length,
+    type, payload), each payload a `wandb_internal_pb2.Record`; wandb ships no reader for it."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    rows: dict[int, dict] = {}
+    offset, payload = 7, b""
+    while offset + 7 <= len(data):
+        if 32768 - offset % 32768 < 7:  # a block's tail too short for a header is padding
+            offset += 32768 - offset % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
+        payload += data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            payload = b""
+            if record.WhichOneof("record_type") == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                rows.setdefault(int(row["_step"]), {}).update(row)
+        elif kind == 0:
+            break
+    return rows
+
+
+@pytest.mark.slow
+def test_changed_schedule_on_resume_is_used_and_logged_truthfully(reference, cache, tmp_path):
+    """The issue's case: a finished run resumed with a longer schedule and a 3x higher lr. The lr
+    logged for every step is the optimizer's (engine.get_lr() before the update) and equals the new
+    schedule from the resumed step on; batch_size and eval cadence changes are honoured too."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    result = ok(train(run_dir, cache, "resume=auto", "max_steps=40", "optim.lr=1e-2", "optim.min_lr=1e-3",
+                      "batch_size=8", "eval_every=5", "logger.wandb=disabled"))
+    assert "with changed settings: batch_size 4 -> 8, eval_every 10 -> 5, max_steps 30 -> 40, " \
+           "optim.lr 0.003 -> 0.01, optim.min_lr 0.0001 -> 0.001" in result.stderr
+    old, new = _cfg("experiment=micro"), _cfg("experiment=micro", "optim.lr=1e-2", "optim.min_lr=1e-3")
+    train_records = {r["step"]: r for r in records(run_dir) if "loss" in r}
+    assert sorted(train_records) == list(range(1, 41))
+    for step, record in train_records.items():
+        want = lr_at(step - 1, old.optim, 30) if step <= 30 else lr_at(step - 1, new.optim, 40)
+        assert record["lr"] == want, (step, record["lr"], want)
+    assert train_records[40]["tokens_seen"] == 30 * 4 * 32 + 10 * 8 * 32
+    assert sorted(r["step"] for r in records(run_dir) if "val_loss" in r) == [10, 20, 30, 35, 40]
+    saved = OmegaConf.load(complete_checkpoints(run_dir)[-1] / "config.yaml")
+    assert saved.optim.lr == 1e-2 and saved.max_steps == 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("override, key", [("data.num_workers=1", "data.num_workers"),
+                                           ("model.max_seq_len=64", "model.max_seq_len")])
+def test_refused_change_is_one_line_and_writes_nothing(reference, cache, tmp_path, override, key):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    result = train(run_dir, cache, "resume=auto", "max_steps=40", override)
+    assert result.returncode == 1
+    line = error_line(result)
+    assert f"this run has {override}" in line and key in line and "init_from=" in line, line
+    assert "Traceback" not in result.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_corrupt_newest_checkpoint_names_the_older_one_which_then_continues(reference, cache, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    older, newest = complete_checkpoints(run_dir)
+    weights = newest / "mp_rank_00_model_states.pt"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = train(run_dir, cache, "resume=auto", "max_steps=40")
+    assert result.returncode == 1
+    assert error_line(result).endswith(f"; resume={older} continues from step 25 (newer checkpoints are then replaced)")
+    assert "is corrupt: mp_rank_00_model_states.pt has" in error_line(result)
+
+    ok(train(run_dir, cache, f"resume={older}", "logger.wandb=offline"))
+    assert losses(run_dir) == losses(reference)  # steps 26-30 again, bitwise
+    assert [p.name for p in complete_checkpoints(run_dir)] == ["step_00000025", "step_00000030"]
+    checkpoint.verify(complete_checkpoints(run_dir)[-1])  # the corrupt one was replaced
+
+
+@pytest.mark.slow
+def test_kill_during_prune_then_resume_leaves_no_debris_and_wandb_holds_every_step(reference, cache, tmp_path):
+    """kill -9 while the save of step 15 deletes step 5 (renamed, not yet removed): no directory that
+    looks like a checkpoint is left half-deleted; the resumed run reproduces the reference bitwise,
+    its next save removes the leftover, and W&B (offline, which lost the killed process's unflushed
+    records) holds every step of metrics.jsonl in the resumed run's file."""
+    run_dir = tmp_path / "run"
+    killed = train(run_dir, cache, "logger.wandb=offline", "debug.kill_in_prune_at_step=15")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".trash_step_00000005", "step_00000010", "step_00000015"]
+    assert (root / ".trash_step_00000005" / "mp_rank_00_model_states.pt").is_file()
+
+    result = ok(train(run_dir, cache, "resume=auto", "logger.wandb=offline"))
+    assert "resumed from" in result.stderr and "step_00000015" in result.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000025", "step_00000030"]
+    assert losses(run_dir) == losses(reference)
+
+    runs = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
+    assert len(runs) == 2 and len({p.name for p in runs}) == 1  # one W&B run id, resumed
+    history = wandb_history(runs[-1])
+    logged = records(run_dir)
+    assert sorted(history) == sorted({r["step"] for r in logged}) == list(range(1, 31))
+    for record in logged:
+        for key, value in record.items():
+            if key != "step":
+                assert history[record["step"]][key] == value, (record["step"], key)

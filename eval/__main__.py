@@ -31,7 +31,6 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.cli import RUNTIME, USAGE
 from data.config import DataConfig, DataError, check_dir
 from data.documents import long_documents
 from data.sources import by_document, source_files
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         written = evaluate(cfg)
     except (EvalError, CheckpointError, HydraException, OmegaConfBaseException, ValueError, FileNotFoundError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
-        return RUNTIME if isinstance(e, DataError) else USAGE
+        return 1 if isinstance(e, DataError) else 2  # data.cli: unusable input, else usage
     for task, paths in written.items():
         print(f"{task}: " + ", ".join(str(p) for p in paths))
     return 0

@@ -297,8 +297,10 @@ def test_changed_schedule_on_resume_is_used_and_logged_truthfully(reference, cac
     shutil.copytree(reference, run_dir)
     result = ok(train(run_dir, cache, "resume=auto", "max_steps=40", "optim.lr=1e-2", "optim.min_lr=1e-3",
                       "batch_size=8", "eval_every=5", "logger.wandb=disabled"))
-    assert "with changed settings: batch_size 4 -> 8, eval_every 10 -> 5, max_steps 30 -> 40, " \
-           "optim.lr 0.003 -> 0.01, optim.min_lr 0.0001 -> 0.001" in result.stderr
+    message = next(line for line in result.stderr.splitlines() if line.startswith("resumed from"))
+    assert set(message.split(" with changed settings: ")[1].split(", ")) == {
+        "batch_size 4 -> 8", "eval_every 10 -> 5", "logger.wandb offline -> disabled", "max_steps 30 -> 40",
+        "optim.lr 0.003 -> 0.01", "optim.min_lr 0.0001 -> 0.001", f"run_dir {reference} -> {run_dir}"}
     old, new = _cfg("experiment=micro"), _cfg("experiment=micro", "optim.lr=1e-2", "optim.min_lr=1e-3")
     train_records = {r["step"]: r for r in records(run_dir) if "loss" in r}
     assert sorted(train_records) == list(range(1, 41))

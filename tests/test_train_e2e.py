@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from train.config import to_train_config
 from train.engine import param_groups
 from train.export import load_model
 from train.schedule import lr_at
+from wandb_records import history as wandb_history
 
 pytestmark = pytest.mark.slow
 
@@ -106,35 +106,6 @@ def reference(tmp_path_factory, cache) -> Path:
     return run_dir
 
 
-def _wandb_history(run_dir: Path) -> dict[int, dict]:
-    """History rows of the offline W&B run, read from its transaction log (LevelDB log format:
-    a 7-byte header, then 32 KiB blocks of records: crc32, uint16 length, type, payload)."""
-    from wandb.proto import wandb_internal_pb2
-
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    rows: dict[int, dict] = {}
-    offset, payload = 7, b""
-    while offset + 7 <= len(data):
-        if 32768 - offset % 32768 < 7:
-            offset += 32768 - offset % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
-        payload += data[offset + 7:offset + 7 + length]
-        offset += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(payload)
-            payload = b""
-            if record.WhichOneof("record_type") == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-                rows[int(row["_step"])] = row
-        elif kind == 0:
-            break
-    return rows
-
-
 def test_end_to_end_run_dir(reference):
     config = OmegaConf.load(reference / "config.yaml")
     assert config.name == "micro" and config.model.n_embd == 32
@@ -150,7 +121,8 @@ def test_end_to_end_run_dir(reference):
     val = val_losses(reference)
     assert sorted(val) == [10, 20, 30] and val[30] < val[10] - 0.2, val
 
-    history = _wandb_history(reference)
+    (log,) = reference.glob("wandb/offline-run-*/run-*.wandb")
+    history = wandb_history(log)
     for step, value in loss.items():
         assert history[step]["loss"] == value
     assert history[30]["val_loss"] == val[30]

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from train import checkpoint, resume
 from train.checkpoint import MARKER, CheckpointError, complete_checkpoints
 from train.config import TrainConfig, compose, to_train_config
 from train.schedule import lr_at
+from wandb_records import history as wandb_history
 
 REPO = Path(__file__).resolve().parents[1]
 MICRO = ["experiment=micro", "logger.progress=false", "ckpt_every=5"]
@@ -257,35 +257,6 @@ def reference(tmp_path_factory, cache) -> Path:
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     ok(train(run_dir, cache, "logger.wandb=offline"))
     return run_dir
-
-
-def wandb_history(path: Path) -> dict[int, dict]:
-    """History rows of an offline W&B run file, by step. The file is W&B's transaction log in the
-    LevelDB log format (a 7-byte header, then 32 KiB blocks of records: crc32, uint16 length,
-    type, payload), each payload a `wandb_internal_pb2.Record`; wandb ships no reader for it."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    rows: dict[int, dict] = {}
-    offset, payload = 7, b""
-    while offset + 7 <= len(data):
-        if 32768 - offset % 32768 < 7:  # a block's tail too short for a header is padding
-            offset += 32768 - offset % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
-        payload += data[offset + 7:offset + 7 + length]
-        offset += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(payload)
-            payload = b""
-            if record.WhichOneof("record_type") == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-                rows.setdefault(int(row["_step"]), {}).update(row)
-        elif kind == 0:
-            break
-    return rows
 
 
 @pytest.mark.slow

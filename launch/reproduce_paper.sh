@@ -37,7 +37,7 @@ else
     train_cmd=(sbatch --wait launch/slurm.sbatch)  # passes resume=auto itself
     train_extra=()
   else
-    train_cmd=(deepspeed --num_gpus "$NGPU" --module train)
+    train_cmd=(env NUM_GPUS="$NGPU" launch/train_single_node.sh)  # signals reach the ranks (docs/DESIGN.md)
     train_extra=(resume=auto)
   fi
   # PG-19 test (hub), the paper's protocol: 100 documents cut to 32K tokens, stride 512, 100 cases.

@@ -28,6 +28,7 @@ from train.config import to_train_config
 from train.engine import param_groups
 from train.export import load_model
 from train.schedule import lr_at
+from run_checks import error_line, losses, ok, records, val_losses
 from wandb_records import history as wandb_history
 
 pytestmark = pytest.mark.slow
@@ -62,18 +63,6 @@ def start(run_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
-
-
-def val_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in records(run_dir) if "val_loss" in r}
-
-
 def blocks(run_dir: Path) -> list[str]:
     return (run_dir / "blocks_rank0.jsonl").read_text().splitlines()
 
@@ -85,17 +74,6 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"run never reached step {step}: {proc.communicate()[1][-2000:]}")
-
-
-def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def error_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, result.stderr[-3000:]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from train import checkpoint, resume
 from train.checkpoint import MARKER, CheckpointError, complete_checkpoints
 from train.config import TrainConfig, compose, to_train_config
 from train.schedule import lr_at
+from run_checks import error_line, losses, ok, records
 from wandb_records import history as wandb_history
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,25 +231,6 @@ def _args(run_dir: Path, cache: Path, overrides: tuple[str, ...]) -> list[str]:
 def train(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(_args(run_dir, cache, overrides), cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=TIMEOUT)
-
-
-def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def error_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, result.stderr[-3000:]
-    return lines[0]
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
 
 
 @pytest.fixture(scope="module")

@@ -194,9 +194,9 @@ def marker(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {ckpt}: its {MARKER} marker is unreadable ({error}){older_hint(ckpt)}") from None
 
 
-def _damage(ckpt: Path) -> Optional[str]:
-    """What is wrong with the files the marker lists (missing, or not at the size written), if anything."""
-    for name, size in json.loads((ckpt / MARKER).read_text()).get("files", {}).items():
+def _damage(ckpt: Path, written: dict[str, Any]) -> Optional[str]:
+    """What is wrong with the files the marker `written` lists (missing, or not at the size written), if anything."""
+    for name, size in written.get("files", {}).items():
         path = ckpt / name
         if not path.is_file():
             return f"{name} is missing"
@@ -207,8 +207,7 @@ def _damage(ckpt: Path) -> Optional[str]:
 
 def verify(ckpt: Path) -> None:
     """A cheap integrity check before any expensive setup: every file of the checkpoint, at its size."""
-    marker(ckpt)
-    damage = _damage(ckpt)
+    damage = _damage(ckpt, marker(ckpt))
     if damage:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt: {damage}{older_hint(ckpt)}")
 
@@ -221,7 +220,7 @@ def older_hint(ckpt: Path) -> str:
         return ""
     for older in reversed(complete_checkpoints(ckpt.parent.parent)):
         try:
-            sound = _step_of(older) < _step_of(ckpt) and _damage(older) is None
+            sound = _step_of(older) < _step_of(ckpt) and _damage(older, json.loads((older / MARKER).read_text())) is None
         except (OSError, ValueError):
             sound = False
         if sound:
@@ -261,8 +260,7 @@ def load(engine, ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {ckpt} is corrupt or unreadable: {_first_line(error)}{older_hint(ckpt)}") from None
     if loaded is None:
         raise CheckpointError(f"checkpoint {ckpt} is missing DeepSpeed files{older_hint(ckpt)}")
-    if hasattr(engine.lr_scheduler, "apply"):
-        engine.lr_scheduler.apply()
+    engine.lr_scheduler.apply()
     path = ckpt / f"client_rank{dist.rank()}.pt"
     try:
         client = torch.load(path, weights_only=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from typing import Optional
 
 import torch
 from datasets.distributed import split_dataset_by_node
@@ -45,7 +46,8 @@ def _check_shards(cfg: DataConfig, split: str, rank: int, world_size: int) -> No
 
 
 def build_loader(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int, batch_size: int,
-                 rank: int = 0, world_size: int = 1) -> StatefulDataLoader:
+                 rank: int = 0, world_size: int = 1, layout_step: int = 0,
+                 carry: Optional[dict] = None) -> StatefulDataLoader:
     """Batches `LongTensor[batch_size, seq_len + 1]`; `data.synthetic.split_block` gives inputs and
     targets (negative entries of synthetic rows are inputs that are not trained on).
 
@@ -53,6 +55,7 @@ def build_loader(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: 
     `cfg.shuffle_buffer`); `val`/`test` are one deterministic pass (last batch may be smaller).
     `loader.state_dict()` after k batches, given to `load_state_dict` of a loader built with the
     same arguments, continues with batch k + 1 exactly (on every rank, with any num_workers).
+    `layout_step` and `carry` continue a run on another world size (`data.stream.continuation`).
     """
     check_split(split)
     if seq_len < 1 or batch_size < 1:
@@ -67,7 +70,8 @@ def build_loader(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: 
         else:
             check_source(src, split, cfg)
     _check_shards(cfg, split, rank, world_size)
-    stream = PackedStream(cfg, tokenizer, split=split, seq_len=seq_len, rank=rank, world_size=world_size)
+    stream = PackedStream(cfg, tokenizer, split=split, seq_len=seq_len, rank=rank, world_size=world_size,
+                          layout_step=layout_step, carry=carry)
     return StatefulDataLoader(
         stream,
         batch_size=batch_size,

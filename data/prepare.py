@@ -12,7 +12,8 @@ fits, else uint32), `data_bin/tokenizer.model` and `data_bin/meta.json`. Train o
 A tokens source is cut into blocks of the concatenated split; consumer c of C (rank x worker)
 takes every C-th block of the epoch order, which for `train` is a fresh two-level permutation
 per epoch (chunks of blocks, then blocks within a chunk: a global shuffle in bounded memory).
-Its state is just (epoch, blocks taken).
+Its state is just (epoch, blocks taken), and after a resume on another world size, until that
+epoch ends, where the new consumers started and the blocks the old ones left (`TokenCursor`).
 """
 
 from __future__ import annotations
@@ -84,7 +85,14 @@ def prepare(cfg: DataConfig, out: str | Path, *, splits: tuple[str, ...] = SPLIT
 
 
 class TokenCursor:
-    """Blocks of a prepared split for consumer `index` of `consumers` (see module docstring)."""
+    """Blocks of a prepared split for consumer `index` of `consumers` (see module docstring).
+
+    A block is named by its (epoch, position in that epoch's order). The consumer's k-th block of
+    an epoch is position `start + index + k * consumers`; a run resumed on another world size
+    first shares out the positions the old consumers left behind (`pending`) and starts at
+    `start`, the first position none of them reached (`data.stream.continuation`), so the epoch
+    is read exactly once whatever the world sizes.
+    """
 
     def __init__(self, src: SourceConfig, tokenizer: Tokenizer, *, split: str, seed: int,
                  index: int, consumers: int, infinite: bool):
@@ -100,14 +108,22 @@ class TokenCursor:
         self._maps = [np.memmap(root / s["file"], dtype=meta["dtype"], mode="r") for s in shards]
         self._starts = np.cumsum([0] + [s["tokens"] for s in shards])
         self.src, self.seed, self.index, self.consumers, self.infinite = src, seed, index, consumers, infinite
+        self._chunks: dict[int, np.ndarray] = {}  # the chunk order of the epoch last read
 
     def reset(self, state: Optional[dict]) -> None:
-        self.epoch, self.k = (state["epoch"], state["k"]) if state else (0, 0)
+        state = state or {}
+        self.epoch, self.k = state.get("epoch", 0), state.get("k", 0)
+        self.start = state.get("start", 0)
+        self.pending = [tuple(item) for item in state.get("pending", [])]
+        self._mine = self.pending[self.index :: self.consumers]
         self._n_blocks: Optional[int] = None
-        self._order_epoch = -1
+        self._order_key: tuple = ()
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "k": self.k}
+        state = {"epoch": self.epoch, "k": self.k}
+        if self.start or self.pending:
+            state.update(start=self.start, pending=[list(item) for item in self.pending])
+        return state
 
     def _tokens(self, start: int, stop: int) -> np.ndarray:
         """Global token range [start, stop) across shard boundaries."""
@@ -119,36 +135,48 @@ class TokenCursor:
             start, i = end, i + 1
         return np.concatenate(parts).astype(np.int64)
 
-    def _block_at(self, p: int) -> int:
-        """Block index at position p of this epoch's order."""
+    def _block_at(self, epoch: int, p: int) -> int:
+        """Block index at position p of the epoch's order."""
         if not self.infinite:
             return p
-        if self._order_epoch != self.epoch:
-            full = self._n_blocks // CHUNK  # full chunks are permuted; the tail chunk stays last
-            self._chunks = np.random.default_rng([self.seed, self.epoch]).permutation(full)
-            self._order_epoch, self._within = self.epoch, {}
+        full = self._n_blocks // CHUNK  # full chunks are permuted; the tail chunk stays last
+        if epoch not in self._chunks:
+            self._chunks = {epoch: np.random.default_rng([self.seed, epoch]).permutation(full)}
         slot = p // CHUNK
-        chunk = int(self._chunks[slot]) if slot < len(self._chunks) else slot
-        if chunk not in self._within:
+        chunk = int(self._chunks[epoch][slot]) if slot < full else slot
+        if self._order_key != (epoch, chunk):
             size = min(CHUNK, self._n_blocks - chunk * CHUNK)
-            self._within = {chunk: np.random.default_rng([self.seed, self.epoch, chunk]).permutation(size)}
-        return chunk * CHUNK + int(self._within[chunk][p % CHUNK])
+            self._within = np.random.default_rng([self.seed, epoch, chunk]).permutation(size)
+            self._order_key = (epoch, chunk)
+        return chunk * CHUNK + int(self._within[p % CHUNK])
 
-    def next_block(self, n: int) -> Optional[np.ndarray]:
+    def next_position(self, n: int) -> Optional[tuple[int, int]]:
+        """The (epoch, position) of this consumer's next block of n tokens (None at the end of a
+        one-pass split); advances the cursor without reading tokens."""
         if self._n_blocks is None:
             self._n_blocks = int(self._starts[-1]) // n
             if self._n_blocks == 0:
                 raise ValueError(f"source {self.src.describe()}: fewer tokens than one block of {n}")
-        p = self.index + self.k * self.consumers
+        if self.k < len(self._mine):
+            self.k += 1
+            return self._mine[self.k - 1]
+        p = self.start + self.index + (self.k - len(self._mine)) * self.consumers
         if p >= self._n_blocks:
             if not self.infinite:
                 return None
-            self.epoch, self.k = self.epoch + 1, 0
+            self.reset({"epoch": self.epoch + 1})
+            self._n_blocks = int(self._starts[-1]) // n
             p = self.index
             if p >= self._n_blocks:
                 raise RuntimeError(f"source {self.src.describe()}: fewer blocks than ranks x workers")
         self.k += 1
-        b = self._block_at(p)
+        return self.epoch, p
+
+    def next_block(self, n: int) -> Optional[np.ndarray]:
+        position = self.next_position(n)
+        if position is None:
+            return None
+        b = self._block_at(*position)
         return self._tokens(b * n, (b + 1) * n)
 
 

@@ -134,18 +134,125 @@ def stream_sources(cfg: DataConfig, split: str) -> list[SourceConfig]:
     return sources
 
 
+def continuation(cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, loader_states: list[dict]) -> dict:
+    """Where every consumer of a new world size starts, from the loader states of all the old ranks
+    (a resume on another number of ranks; the semantics are in docs/DESIGN.md):
+
+    - a `tokens` source continues exactly: the blocks the old consumers had not read, and only
+      those, are shared out among the new ones (`TokenCursor`'s `start` and `pending`);
+    - a text source begins a new epoch, as if the current one had ended at the resume: nothing is
+      read twice within an epoch; what the old ranks had not reached of it is skipped;
+    - synthetic rows, the mixture and the shuffle draw from seeds of the new layout.
+    """
+    olds = _dataset_states(loader_states)
+    if not olds:  # no loader had started: nothing was read
+        return {"sources": None, "rng": None, "alive": None}
+    sources = stream_sources(cfg, "train")
+    weights = _weights(sources)
+    starts: list[dict] = []
+    for i, src in enumerate(sources):
+        if src.kind == "synthetic":
+            starts.append({"rows": 0})
+        elif src.kind == "tokens":
+            starts.append(_tokens_carry(cfg, tokenizer, src, i, olds, seq_len + 1, weights))
+        else:
+            read = [s["start"]["sources"][i]["epoch"] for s in olds if s.get("start") and s["start"]["rng"] is not None]
+            carried = [s["start"]["sources"][i]["epoch"] for s in olds if s.get("start") and s["start"]["sources"]]
+            epoch = max(read) + 1 if read else max(carried, default=0)
+            starts.append({"epoch": epoch, "hf": None, "offset": 0})
+    return {"sources": starts, "rng": None, "alive": None}
+
+
+def _tokens_carry(cfg: DataConfig, tokenizer: Tokenizer, src: SourceConfig, i: int, olds: list[dict], n: int,
+                  weights: np.ndarray) -> dict:
+    """The new consumers' common start of `tokens` source i. Each old consumer gave out its blocks
+    up to its snapshot, then some of the blocks its shuffle window drew after it (replayed); the
+    first block no window drew is its head. The newest head is the frontier; every block before
+    it that was not given out is pending."""
+    heads, left = [], []
+    cursors = []
+    for state in olds:
+        workers = max(state["num_workers"], 1)
+        cursor = TokenCursor(src, tokenizer, split="train", seed=cfg.seed, index=state["rank"] * workers + state["worker"],
+                             consumers=state["world_size"] * workers, infinite=True)
+        start = state.get("start")
+        cursor.reset(start["sources"][i] if start and start["sources"] else None)
+        for given in _window_draws(cfg, state, i, weights):
+            position = cursor.next_position(n)
+            if not given:
+                left.append(position)
+        heads.append(cursor.next_position(n))
+        cursors.append(cursor)
+    frontier = max(heads)
+    for cursor, position in zip(cursors, heads):
+        while position < frontier:
+            left.append(position)
+            position = cursor.next_position(n)
+    return {"epoch": frontier[0], "k": 0, "start": frontier[1], "pending": sorted(list(p) for p in left)}
+
+
+def _window_draws(cfg: DataConfig, state: dict, i: int, weights: np.ndarray) -> list[bool]:
+    """For each block of source i that the consumer's current shuffle window drew (in draw order),
+    whether it was given out: the draws and their order are replayed from their seeds (no data is
+    read). Empty when the consumer is at a window boundary or never started."""
+    start, pos = state.get("start"), state.get("pos", 0)
+    if not start or start["rng"] is None or pos == 0:
+        return []
+    rng = np.random.Generator(np.random.PCG64())
+    rng.bit_generator.state = start["rng"]
+    picks = [_pick(rng, weights, start["alive"]) for _ in range(state["shuffle_buffer"])]
+    order = np.arange(len(picks))
+    if state["shuffle_buffer"] > 1:
+        layout = [state["layout_step"]] if state.get("layout_step") else []
+        order = _window_order(cfg.seed, state["rank"], state["worker"], state["window"], layout, len(picks))
+    given = set(int(k) for k in order[:pos])
+    return [draw in given for draw, source in enumerate(picks) if source == i]
+
+
+def _weights(sources: list[SourceConfig]) -> np.ndarray:
+    weights = np.array([s.weight for s in sources], dtype=np.float64)
+    return weights / weights.sum()
+
+
+def _pick(rng: np.random.Generator, weights: np.ndarray, alive: list[bool]) -> int:
+    """The source of the next block: drawn by weight among the live ones."""
+    live = np.flatnonzero(alive)
+    return int(live[0]) if len(live) == 1 else int(rng.choice(live, p=weights[live] / weights[live].sum()))
+
+
+def _window_order(seed: int, rank: int, worker: int, window: int, layout: list[int], size: int) -> np.ndarray:
+    """The order a shuffle window's blocks are given out in."""
+    return np.random.default_rng([seed, rank, worker, window, *layout]).permutation(size)
+
+
+def _dataset_states(loader_states: list[dict]) -> list[dict]:
+    """The `PackedStream` states inside `StatefulDataLoader.state_dict()`s (one per worker)."""
+    found = []
+    for state in loader_states:
+        if "dataset_state" in state:  # num_workers=0
+            found.append(state["dataset_state"])
+        else:
+            found.extend(w["dataset_state"] for w in state["_snapshot"]["_worker_snapshots"].values())
+    return [s for s in found if s is not None]
+
+
 class PackedStream(torch.utils.data.IterableDataset):
-    """Blocks of `seq_len + 1` tokens for one rank; `state_dict()` per worker resumes exactly."""
+    """Blocks of `seq_len + 1` tokens for one rank; `state_dict()` per worker resumes exactly.
+
+    `carry` (from `continuation`) and `layout_step` (the step it was made at) start a run resumed on
+    another world size; the layout step stays part of every later state of the run.
+    """
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int,
-                 rank: int, world_size: int):
+                 rank: int, world_size: int, layout_step: int = 0, carry: Optional[dict] = None):
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
         self.seq_len, self.rank, self.world_size = seq_len, rank, world_size
+        self.layout_step, self.carry = layout_step, carry
+        self.layout = [layout_step] if layout_step else []
         self.infinite = split == "train"
         self.window = cfg.shuffle_buffer if self.infinite and cfg.shuffle_buffer > 1 else 1
         self.sources = stream_sources(cfg, split)
-        weights = np.array([s.weight for s in self.sources], dtype=np.float64)
-        self.weights = weights / weights.sum()
+        self.weights = _weights(self.sources)
         self._state: Optional[dict] = None
         self._resume: Optional[dict] = None
 
@@ -163,16 +270,17 @@ class PackedStream(torch.utils.data.IterableDataset):
         # for other sources, and such a state of a `files` source is refused rather than misread.
         if any(by_document(s) for s in self.sources):
             me["split_by_document"] = True
+        me["layout_step"] = self.layout_step
         return me
 
     def state_dict(self) -> dict:
-        return self._state if self._state is not None else {**self._consumer(), "start": None}
+        return self._state if self._state is not None else {**self._consumer(), "start": self.carry, "window": 0, "pos": 0}
 
     def load_state_dict(self, state: dict) -> None:
         self._state = self._resume = state
 
     def _check(self, state: dict, me: dict) -> None:
-        saved = {k: state.get(k) for k in me}
+        saved = {k: state.get(k, 0 if k == "layout_step" else None) for k in me}  # older states: layout 0
         if saved != me:
             diff = ", ".join(f"{k}: saved {saved[k]!r}, now {me[k]!r}" for k in me if saved[k] != me[k])
             raise ValueError(f"data loader state does not match this loader ({diff}); resume needs the same data setup")
@@ -184,7 +292,7 @@ class PackedStream(torch.utils.data.IterableDataset):
         for src in self.sources:
             if src.kind == "synthetic":
                 cursors.append(SyntheticCursor(src, self.tokenizer, seed=self.cfg.seed, rank=self.rank,
-                                               worker=info.id if info else 0))
+                                               worker=info.id if info else 0, layout_step=self.layout_step))
             elif src.kind == "tokens":
                 consumers = self.world_size * (info.num_workers if info else 1)
                 index = self.rank * (info.num_workers if info else 1) + (info.id if info else 0)
@@ -200,23 +308,22 @@ class PackedStream(torch.utils.data.IterableDataset):
         resume, self._resume = self._resume, None
         if resume is not None:
             self._check(resume, me)
-        start = resume.get("start") if resume else None
+        start = resume.get("start") if resume else self.carry
         cursors = self._cursors()
-        rng = np.random.Generator(np.random.PCG64([self.cfg.seed, self.rank, me["worker"]]))
+        rng = np.random.Generator(np.random.PCG64([self.cfg.seed, self.rank, me["worker"], *self.layout]))
         alive = [True] * len(cursors)
         for i, c in enumerate(cursors):
-            c.reset(start["sources"][i] if start else None)
-        if start:
+            c.reset(start["sources"][i] if start and start["sources"] else None)
+        if start and start["rng"] is not None:  # a snapshot of this consumer (not a carry)
             rng.bit_generator.state = start["rng"]
             alive = list(start["alive"])
-        window, pos = (resume["window"], resume["pos"]) if start else (0, 0)
+        window, pos = (resume["window"], resume["pos"]) if resume and resume.get("start") else (0, 0)
         n = self.seq_len + 1
         while True:
             snap = {"sources": [c.state() for c in cursors], "rng": rng.bit_generator.state, "alive": list(alive)}
             blocks = []
             while len(blocks) < self.window and any(alive):
-                live = np.flatnonzero(alive)
-                i = live[0] if len(live) == 1 else rng.choice(live, p=self.weights[live] / self.weights[live].sum())
+                i = _pick(rng, self.weights, alive)
                 block = cursors[i].next_block(n)
                 if block is None:
                     alive[i] = False
@@ -227,7 +334,7 @@ class PackedStream(torch.utils.data.IterableDataset):
                 return
             order = np.arange(len(blocks))
             if self.window > 1:
-                order = np.random.default_rng([self.cfg.seed, self.rank, me["worker"], window]).permutation(len(blocks))
+                order = _window_order(self.cfg.seed, self.rank, me["worker"], window, self.layout, len(blocks))
             for k in range(pos, len(blocks)):
                 self._state = {**me, "start": snap, "window": window, "pos": k + 1}
                 yield torch.from_numpy(blocks[order[k]])

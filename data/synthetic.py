@@ -47,11 +47,16 @@ def untrained(ids: np.ndarray) -> np.ndarray:
 
 
 class SyntheticCursor:
-    """Rows of one synthetic task for one (rank, worker); state = rows produced."""
+    """Rows of one synthetic task for one (rank, worker); state = rows produced.
 
-    def __init__(self, src: SourceConfig, tokenizer: Tokenizer, *, seed: int, rank: int, worker: int):
+    `layout_step` > 0 (a run resumed on another world size at that step) gives the consumers of the
+    new layout seeds of their own, so they do not replay the rows of the old one."""
+
+    def __init__(self, src: SourceConfig, tokenizer: Tokenizer, *, seed: int, rank: int, worker: int,
+                 layout_step: int = 0):
         self.src, self.tokenizer = src, tokenizer
         self.seed, self.rank, self.worker = seed, rank, worker
+        self.layout = [layout_step] if layout_step else []
         self.prefix = [tokenizer.eos_id]
         if src.task == "passkey":
             self.shortest = passkey_min_length(tokenizer, self.prefix)
@@ -68,7 +73,7 @@ class SyntheticCursor:
         return {"rows": self.rows}
 
     def _rng(self, row: int) -> random.Random:
-        entropy = np.random.SeedSequence([self.seed, self.rank, self.worker, row, _TRAIN_STREAM])
+        entropy = np.random.SeedSequence([self.seed, self.rank, self.worker, row, _TRAIN_STREAM, *self.layout])
         return random.Random(int(entropy.generate_state(2, dtype=np.uint64)[0]))
 
     def row(self, k: int, n: int) -> tuple[list[int], list[int]]:

@@ -2,7 +2,8 @@
 
 `launch/train_multi_node.sh` twice (NNODES=2, NODE_RANK 0 and 1, one rank each, a c10d rendezvous
 on 127.0.0.1) under ZeRO 2 and 3; both nodes get SIGTERM, as a scheduler's preemption delivers
-it; the run then resumes on one node with two ranks (`launch/train_single_node.sh`).
+it; the run then resumes on one node with one rank (`launch/train_single_node.sh`): another world
+size, so the ZeRO checkpoint goes through DeepSpeed's universal format (`train.elastic`).
 `launch/slurm.sbatch` starts the same script on every node.
 """
 
@@ -38,6 +39,7 @@ def test_two_nodes_preempted_then_resumed_on_one(cache, tmp_path, stage):
     step = check_stopped(run_dir, 0, 2, "".join(errs))
 
     resumed = subprocess.run([str(REPO / "launch" / "train_single_node.sh"), *overrides(run_dir, cache, *zero, "resume=auto")],
-                             cwd=REPO, env=env(NUM_GPUS="2"), capture_output=True, text=True, timeout=TIMEOUT)
+                             cwd=REPO, env=env(NUM_GPUS="1"), capture_output=True, text=True, timeout=TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     check_resumed(run_dir, step, resumed.stderr)
+    assert (run_dir / "checkpoints" / f"step_{step:08d}" / "universal").is_dir()

@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from model import GPT
-from train.checkpoint import complete_checkpoints
+from train.checkpoint import complete_checkpoints, step_dir
 from train.config import to_train_config
 from train.engine import param_groups
 from train.export import load_model
@@ -241,16 +241,16 @@ def train_two_ranks(run_dir: Path, cache: Path, *overrides: str) -> subprocess.C
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, cache) -> dict[int, Path]:
-    """Uninterrupted 8-step runs on two ranks under ZeRO 1, 2 (no accumulation) and 3 (accumulation 2)."""
+    """Uninterrupted 8-step runs on two ranks under ZeRO 0, 1, 2 (no accumulation) and 3 (accumulation 2)."""
     runs = {}
-    for stage, micro in [(1, 2), (2, 1), (3, 2)]:
+    for stage, micro in [(0, 2), (1, 2), (2, 1), (3, 2)]:
         runs[stage] = tmp_path_factory.mktemp(f"zero{stage}") / "run"
         ok(train_two_ranks(runs[stage], cache, f"deepspeed=zero{stage}", f"micro_batch_size={micro}", *SHORT))
     return runs
 
 
-def test_two_ranks_zero_1_2_3_agree(two_ranks, cache, tmp_path):
-    """ZeRO partitioning must not change the math: stages 1, 2 and 3 on two ranks (stage 2 also
+def test_two_ranks_zero_0_1_2_3_agree(two_ranks, cache, tmp_path):
+    """ZeRO partitioning must not change the math: stages 0, 1, 2 and 3 on two ranks (stage 2 also
     with gradient accumulation) give the same losses to 1e-5. Each rank reads its own documents,
     so a one-process run with the same global batch sees other data: its losses agree only
     statistically, within 0.2 nats per step and 0.1 on average over the 8 steps."""
@@ -260,7 +260,7 @@ def test_two_ranks_zero_1_2_3_agree(two_ranks, cache, tmp_path):
     for stage, run_dir in two_ranks.items():
         assert sorted(runs[stage]) == list(range(1, 9))
         assert [p.name for p in complete_checkpoints(run_dir)] == ["step_00000004", "step_00000008"]
-    for stage in (2, 3):
+    for stage in (0, 2, 3):
         for step in range(1, 9):
             assert runs[stage][step] == pytest.approx(runs[1][step], abs=1e-5), (stage, step)
     gaps = [abs(runs[1][step] - single[step]) for step in range(1, 9)]
@@ -269,35 +269,85 @@ def test_two_ranks_zero_1_2_3_agree(two_ranks, cache, tmp_path):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_two_ranks_equal_one_process_on_the_same_global_batches(two_ranks, stage):
-    """The exact check behind the statistical one above: replay each step's global batch (both
-    ranks' blocks, from their logs) through a one-process model in plain PyTorch (same seed and
-    init, AdamW with the run's groups, schedule and clipping). Its losses equal the two-rank run's
-    to 1e-5 at every step, for ZeRO 1, 2 (gradient accumulation 2) and 3."""
-    run_dir = two_ranks[stage]
-    cfg = to_train_config(OmegaConf.load(run_dir / "config.yaml"))
-    steps: dict[int, list[list[int]]] = {}
-    for rank in (0, 1):
+def _logged_batches(run_dir: Path, ranks: tuple[int, ...], steps: range) -> dict[int, list[list[int]]]:
+    """Each step's global batch in `steps`: the blocks the given ranks logged for it."""
+    batches: dict[int, list[list[int]]] = {}
+    for rank in ranks:
         for line in (run_dir / f"blocks_rank{rank}.jsonl").read_text().splitlines():
             record = json.loads(line)
-            steps.setdefault(record["step"], []).extend(record["tokens"])
+            if record["step"] in steps:
+                batches.setdefault(record["step"], []).extend(record["tokens"])
+    return batches
+
+
+def _replay(cfg, batches: dict[int, list[list[int]]], max_steps: dict[int, int] | None = None) -> dict[int, float]:
+    """The losses of a one-process model in plain PyTorch (same seed and init, AdamW with the run's
+    groups, schedule and clipping) trained on the given global batches, step by step; `max_steps`
+    gives the schedule's length per step where a resume changed it (default: the config's)."""
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).train()
     o = cfg.optim
     optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    logged = losses(run_dir)
-    for step in range(1, cfg.max_steps + 1):
-        batch = torch.tensor(steps[step])
-        assert batch.shape[0] == cfg.batch_size
+    replayed = {}
+    for step in sorted(batches):
+        batch = torch.tensor(batches[step])
+        assert batch.shape[0] == cfg.batch_size, step
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step - 1, o, cfg.max_steps)
+            group["lr"] = lr_at(step - 1, o, (max_steps or {}).get(step, cfg.max_steps))
         loss = model(batch[:, :-1], batch[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
-        assert loss.item() == pytest.approx(logged[step], abs=1e-5), (stage, step, loss.item(), logged[step])
+        replayed[step] = loss.item()
+    return replayed
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_two_ranks_equal_one_process_on_the_same_global_batches(two_ranks, stage):
+    """The exact check behind the statistical one above: replay each step's global batch (both
+    ranks' blocks, from their logs) through a one-process model in plain PyTorch. Its losses equal
+    the two-rank run's to 1e-5 at every step, for ZeRO 0, 1, 2 (gradient accumulation 2) and 3."""
+    run_dir = two_ranks[stage]
+    cfg = to_train_config(OmegaConf.load(run_dir / "config.yaml"))
+    replayed = _replay(cfg, _logged_batches(run_dir, (0, 1), range(1, cfg.max_steps + 1)))
+    logged = losses(run_dir)
+    assert sorted(replayed) == sorted(logged) == list(range(1, 9))
+    for step in logged:
+        assert replayed[step] == pytest.approx(logged[step], abs=1e-5), (stage, step, replayed[step], logged[step])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_resume_on_one_rank_then_on_two_again(two_ranks, cache, tmp_path, stage):
+    """Elastic resume: the two-rank run's step-4 checkpoint continues on one process to step 6
+    (under ZeRO 1-3 through a universal checkpoint converted once into the checkpoint; under ZeRO 0
+    directly), whose step-6 checkpoint continues on two ranks to step 8. Weights, fp32 masters,
+    Adam moments and schedule carry over: a one-process replay of the global batches each phase
+    logged (two ranks, one, two) gives every logged loss to 1e-5. Under ZeRO 2 the first attempt
+    is killed (SIGKILL) after the conversion and before its rename: nothing half-made is used."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_ranks[stage], run_dir)
+    step4, step6 = (step_dir(run_dir, s) for s in (4, 6))
+    overrides = (f"deepspeed=zero{stage}", f"micro_batch_size={2 if stage != 2 else 1}", *SHORT, "ckpt_every=2")
+    if stage == 2:
+        killed = train(run_dir, cache, *overrides, f"resume={step4}", "max_steps=6", "debug.kill_in_conversion=true")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        assert [p.name for p in step4.glob(".universal_tmp_*")] and not (step4 / "universal").exists()
+    ok(train(run_dir, cache, *overrides, f"resume={step4}", "max_steps=6"))
+    assert (step4 / "universal").is_dir() == (stage > 0) and not list(step4.glob(".universal_tmp_*"))
+    assert json.loads((step6 / "COMPLETE").read_text())["world_size"] == 1
+    result = ok(train_two_ranks(run_dir, cache, *overrides, "resume=auto", "max_steps=8"))
+    assert "step_00000006" in result.stderr
+    assert (step6 / "universal").is_dir() == (stage > 0)
+
+    cfg = to_train_config(OmegaConf.load(run_dir / "config.yaml"))
+    batches = {**_logged_batches(run_dir, (0, 1), range(1, 5)), **_logged_batches(run_dir, (0,), range(5, 7)),
+               **_logged_batches(run_dir, (0, 1), range(7, 9))}
+    replayed, logged = _replay(cfg, batches, max_steps={5: 6, 6: 6}), losses(run_dir)  # phase 2 ran to 6
+    assert sorted(replayed) == sorted(logged) == list(range(1, 9))
+    for step in logged:
+        assert replayed[step] == pytest.approx(logged[step], abs=1e-5), (stage, step, replayed[step], logged[step])
+    assert losses(run_dir)[5] != losses(two_ranks[stage])[5]  # other data after the change: the check is not vacuous
 
 
 def _rank_blocks(run_dir: Path) -> list[list[str]]:

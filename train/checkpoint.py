@@ -228,8 +228,8 @@ def older_hint(ckpt: Path) -> str:
     return "; there is no older complete checkpoint: start a new run with name=<new name>"
 
 
-def check_compatible(ckpt: Path, model_cfg, world_size: int, *, weights_only: bool) -> None:
-    """Clear errors for a resume that cannot work: another model shape, another world size."""
+def check_compatible(ckpt: Path, model_cfg) -> None:
+    """A clear error for a checkpoint of another model shape (any world size can resume: `train.elastic`)."""
     saved = saved_config(ckpt)
     for name in SHAPE_FIELDS:
         old, new = saved.model.get(name), getattr(model_cfg, name)
@@ -238,38 +238,49 @@ def check_compatible(ckpt: Path, model_cfg, world_size: int, *, weights_only: bo
                 f"checkpoint {ckpt} has model.{name}={old}, this run has model.{name}={new}: "
                 "the model shape must match the checkpoint"
             )
-    if weights_only:
-        return
-    written_by = marker(ckpt)["world_size"]
-    if written_by != world_size:
-        raise CheckpointError(
-            f"checkpoint {ckpt} was written by {written_by} ranks, this run has {world_size}: "
-            "resume with the same number of ranks, or start a new run from its weights with init_from="
-        )
 
 
-def load(engine, ckpt: Path) -> dict[str, Any]:
-    """Restore engine (weights, optimizer, scheduler) and this rank's RNG; return its client state.
+def load(engine, ckpt: Path, *, universal: bool = False) -> None:
+    """Restore the engine (weights, optimizer, scheduler) from `ckpt`, or with `universal` from its
+    conversion for another world size (`train.elastic.universal_checkpoint`, made beforehand).
 
     The optimizer's hyperparameters then follow the current config (`train.schedule.Schedule.apply`):
     DeepSpeed restores the saved param groups, which hold the values of the run that wrote them.
     """
+    load_dir, tag = (ckpt, "universal") if universal else (ckpt.parent, ckpt.name)
     try:
-        loaded, _ = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        loaded, _ = engine.load_checkpoint(str(load_dir), tag=tag)
     except Exception as error:  # noqa: BLE001 - DeepSpeed/torch raise many types for a bad file
         raise CheckpointError(f"checkpoint {ckpt} is corrupt or unreadable: {_first_line(error)}{older_hint(ckpt)}") from None
     if loaded is None:
         raise CheckpointError(f"checkpoint {ckpt} is missing DeepSpeed files{older_hint(ckpt)}")
+    if universal:
+        _unshare_adam_steps(engine)
     engine.lr_scheduler.apply()
-    path = ckpt / f"client_rank{dist.rank()}.pt"
+
+
+def _unshare_adam_steps(engine) -> None:
+    """Give every parameter group its own Adam step counter.
+
+    DeepSpeed's ZeRO-3 universal loader (0.19.8) assigns one step tensor to every sub-group; torch's
+    AdamW increments it in place once per sub-group, so from the second sub-group on the bias
+    correction ran a step ahead (measured: the second loss after a 2 -> 1 rank resume off by 4e-4).
+    """
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def client_state(ckpt: Path, rank: int) -> dict[str, Any]:
+    """The client state rank `rank` saved: step, tokens, data-loader state, RNG states (`rng`)."""
+    path = ckpt / f"client_rank{rank}.pt"
     try:
-        client = torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False)
     except Exception as error:  # noqa: BLE001
         raise CheckpointError(
             f"checkpoint file {path} is corrupt or unreadable: {_first_line(error)}{older_hint(ckpt)}"
         ) from None
-    set_rng_state(client.pop("rng"))
-    return client
 
 
 def _first_line(error: BaseException) -> str:

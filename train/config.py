@@ -125,6 +125,8 @@ class DebugConfig:
     kill_in_checkpoint_at_step: SIGKILL this process half-way through writing that checkpoint.
     kill_in_prune_at_step: SIGKILL rank 0 while the save of that step deletes an old checkpoint
       (after its atomic rename, before its files are removed).
+    kill_in_conversion: SIGKILL rank 0 after it converted a checkpoint for another world size,
+      before the conversion is renamed into place (`train.elastic`).
     step_sleep_s: sleep after each step (lets a test kill a run at a known point).
     log_blocks: write every training block (fingerprint and tokens) to `blocks_rank<R>.jsonl`.
     """
@@ -132,6 +134,7 @@ class DebugConfig:
     nan_at_step: int = -1
     kill_in_checkpoint_at_step: int = -1
     kill_in_prune_at_step: int = -1
+    kill_in_conversion: bool = False
     step_sleep_s: float = 0.0
     log_blocks: bool = False
 
@@ -188,7 +191,8 @@ class TrainConfig:
         if self.batch_size % per_step:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by micro_batch_size={self.micro_batch_size} "
-                f"x world size {world_size}"
+                f"x world size {world_size}: run on a number of ranks that divides "
+                f"{self.batch_size // self.micro_batch_size}, or change batch_size"
             )
         return self.batch_size // per_step
 

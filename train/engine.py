@@ -36,8 +36,9 @@ def check_precision_supported(precision: str) -> None:
         )
 
 
-def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed JSON of this run for `world_size` data-parallel ranks."""
+def deepspeed_config(cfg: TrainConfig, world_size: int, *, load_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON of this run for `world_size` data-parallel ranks; `load_universal` when it
+    resumes from a checkpoint written by another world size (`train.elastic`)."""
     ds = cfg.deepspeed
     precision = resolve_precision(ds.precision)
     zero: dict[str, Any] = {"stage": ds.zero_stage}
@@ -45,7 +46,7 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if ds.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    return {
+    config = {
         "train_batch_size": cfg.batch_size,
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum(world_size),
@@ -60,6 +61,9 @@ def deepspeed_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -80,13 +84,13 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int):
+def build_engine(model: torch.nn.Module, cfg: TrainConfig, world_size: int, *, load_universal: bool = False):
     """`deepspeed.initialize` with our optimizer and schedule; returns the engine."""
     check_precision_supported(resolve_precision(cfg.deepspeed.precision))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=build_optimizer(model, cfg),
         lr_scheduler=scheduler_factory(cfg.optim, cfg.max_steps),
-        config=deepspeed_config(cfg, world_size),
+        config=deepspeed_config(cfg, world_size, load_universal=load_universal),
     )
     return engine

@@ -25,11 +25,13 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import build_loader
+from data.stream import continuation
 from data.synthetic import split_block
 from data.tokenizer import get_tokenizer
 from model import GPT
 from train import checkpoint
 from train import distributed as dist
+from train import elastic
 from train import resume
 from train.config import ConfigError, TrainConfig
 from train.engine import build_engine, deepspeed_config, resolve_precision
@@ -84,6 +86,11 @@ def _resume_checkpoint(cfg: TrainConfig) -> Path | None:
             "to continue that run, or set name=<new name> for a new one"
         )
     return None
+
+
+def _kill_now() -> None:
+    """A debug hook: die here as a hard kill would (tests of crash safety)."""
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _seed(seed: int) -> None:
@@ -153,7 +160,7 @@ def run(cfg: TrainConfig) -> int:
     seq_len = cfg.model.max_seq_len
     grad_accum = cfg.grad_accum(world)
     resume_from = _resume_checkpoint(cfg)
-    changed = resume.check(resume_from, cfg, world) if resume_from is not None else []
+    changed = resume.check(resume_from, cfg) if resume_from is not None else []
     init_from = checkpoint.find_checkpoint(cfg.init_from) if cfg.init_from else None
 
     tokenizer = get_tokenizer(cfg.data)
@@ -168,20 +175,39 @@ def run(cfg: TrainConfig) -> int:
     _seed(cfg.seed)
     model = GPT(cfg.model)
     if init_from is not None:
-        checkpoint.check_compatible(init_from, cfg.model, world, weights_only=True)
+        checkpoint.check_compatible(init_from, cfg.model)
         model.load_state_dict(fp32_state_dict(init_from))
     if cfg.compile:
         model.compile_blocks()
-    engine = build_engine(model, cfg, world)
+    client, written_by = None, world
+    if resume_from is not None:
+        written_by = checkpoint.marker(resume_from)["world_size"]
+        client = checkpoint.client_state(resume_from, rank if written_by == world else 0)
+    universal = elastic.needs_universal(written_by, world, cfg.deepspeed.zero_stage)
+    if universal:
+        kill = _kill_now if cfg.debug.kill_in_conversion else None
+        elastic.universal_checkpoint(resume_from, before_commit=kill)
+    engine = build_engine(model, cfg, world, load_universal=universal)
 
-    loader = build_loader(cfg.data, tokenizer, split="train", seq_len=seq_len,
-                          batch_size=cfg.micro_batch_size, rank=rank, world_size=world)
+    # The data layout: a resume on another world size starts the new ranks' streams where the old
+    # ranks' streams together had got to (`data.stream.continuation`), from then on part of the run.
+    layout_step, carry = (client or {}).get("layout_step", 0), None
+    if client is not None and written_by != world:
+        layout_step = client["step"]
+        carry = continuation(cfg.data, tokenizer, seq_len,
+                             [checkpoint.client_state(resume_from, r)["loader"] for r in range(written_by)])
+    loader = build_loader(cfg.data, tokenizer, split="train", seq_len=seq_len, batch_size=cfg.micro_batch_size,
+                          rank=rank, world_size=world, layout_step=layout_step, carry=carry)
     val_batches = _val_batches(cfg, tokenizer)
     progress = _Progress()
     if resume_from is not None:
-        client = checkpoint.load(engine, resume_from)
+        checkpoint.load(engine, resume_from, universal=universal)
         progress = _Progress(client["step"], client["tokens"], client["skipped"])
-        loader.load_state_dict(client["loader"])
+        if written_by == world:
+            checkpoint.set_rng_state(client["rng"])
+            loader.load_state_dict(client["loader"])
+        else:  # the old ranks' RNG streams do not map onto the new ranks
+            _seed(cfg.seed + 1 + rank + 1_000_003 * progress.step)
     else:
         _seed(cfg.seed + 1 + rank)  # per-rank streams for anything random after the common init
 
@@ -200,13 +226,10 @@ def run(cfg: TrainConfig) -> int:
                          + (f" with changed settings: {', '.join(changed)}" if changed else ""))
 
     def save() -> None:
-        def kill_now() -> None:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        hook = kill_now if progress.step == cfg.debug.kill_in_checkpoint_at_step else None
-        prune_hook = kill_now if progress.step == cfg.debug.kill_in_prune_at_step else None
+        hook = _kill_now if progress.step == cfg.debug.kill_in_checkpoint_at_step else None
+        prune_hook = _kill_now if progress.step == cfg.debug.kill_in_prune_at_step else None
         client = {"step": progress.step, "tokens": progress.tokens, "skipped": progress.skipped,
-                  "loader": loader.state_dict()}
+                  "loader": loader.state_dict(), "layout_step": layout_step}
         path = checkpoint.save(engine, run_dir, progress.step, client, files, cfg.keep_last, before_commit=hook,
                                in_prune=prune_hook)
         reporter.message(f"saved {path}")

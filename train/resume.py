@@ -110,7 +110,7 @@ def _saved(ckpt: Path) -> dict[str, Any]:
         return {**leaves(OmegaConf.to_container(schema)), **leaves(OmegaConf.to_container(saved, resolve=True))}
 
 
-def check(ckpt: Path, cfg: TrainConfig, world_size: int) -> list[str]:
+def check(ckpt: Path, cfg: TrainConfig) -> list[str]:
     """Refuse a resume that cannot continue as configured (one line naming every refused key);
     return the honoured changes as `key old -> new` for the log."""
     from train.engine import resolve_precision  # imports DeepSpeed
@@ -143,7 +143,7 @@ def check(ckpt: Path, cfg: TrainConfig, world_size: int) -> list[str]:
             f"max_steps={cfg.max_steps} is below the step of checkpoint {ckpt} ({marker['step']}): "
             f"set max_steps >= {marker['step']}"
         )
-    checkpoint.check_compatible(ckpt, cfg.model, world_size, weights_only=False)
+    checkpoint.check_compatible(ckpt, cfg.model)
     return honoured
 
 

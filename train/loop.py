@@ -149,6 +149,47 @@ class _BlockLog:
         self.file.flush()
 
 
+@dataclass
+class _ResumePlan:
+    """A resume, read before the engine and the loader are built (both depend on it)."""
+
+    ckpt: Path
+    client: dict[str, Any]  # this rank's client state; rank 0's when the world size changed
+    same_world: bool
+    universal: bool  # ZeRO state re-sliced through DeepSpeed's universal format (`train.elastic`)
+    layout_step: int  # the step the data layout began at (`data.stream.PackedStream`)
+    carry: dict | None  # where the new ranks' data streams start, when the world size changed
+
+
+def _plan_resume(ckpt: Path, cfg: TrainConfig, tokenizer) -> _ResumePlan:
+    """Read the checkpoint's client state; on another world size, convert the ZeRO state once and
+    work out where the new ranks' data streams start from every old rank's loader state."""
+    rank, world = dist.rank(), dist.world_size()
+    written_by = checkpoint.marker(ckpt)["world_size"]
+    if written_by == world:
+        client = checkpoint.client_state(ckpt, rank)
+        return _ResumePlan(ckpt, client, True, False, client.get("layout_step", 0), None)
+    universal = elastic.needs_universal(written_by, world, cfg.deepspeed.zero_stage)
+    if universal:
+        elastic.universal_checkpoint(ckpt, before_commit=_kill_now if cfg.debug.kill_in_conversion else None)
+    clients = [checkpoint.client_state(ckpt, r) for r in range(written_by)]
+    carry = continuation(cfg.data, tokenizer, cfg.model.max_seq_len, [client["loader"] for client in clients])
+    return _ResumePlan(ckpt, clients[0], False, universal, clients[0]["step"], carry)
+
+
+def _restore(plan: _ResumePlan, engine, loader, cfg: TrainConfig) -> _Progress:
+    """Load the engine, then this rank's RNG and data position (or, on another world size, reseed:
+    the old ranks' RNG streams do not map onto the new ranks)."""
+    checkpoint.load(engine, plan.ckpt, universal=plan.universal)
+    client = plan.client
+    if plan.same_world:
+        checkpoint.set_rng_state(client["rng"])
+        loader.load_state_dict(client["loader"])
+    else:
+        _seed(cfg.seed + 1 + dist.rank() + 1_000_003 * client["step"])
+    return _Progress(client["step"], client["tokens"], client["skipped"])
+
+
 def run(cfg: TrainConfig) -> int:
     """Train as configured; returns the process exit code (0, or 128 + signal after a stop request:
     every rank stops at the same step, since the request is all-reduced with the step's loss)."""
@@ -179,36 +220,16 @@ def run(cfg: TrainConfig) -> int:
         model.load_state_dict(fp32_state_dict(init_from))
     if cfg.compile:
         model.compile_blocks()
-    client, written_by = None, world
-    if resume_from is not None:
-        written_by = checkpoint.marker(resume_from)["world_size"]
-        client = checkpoint.client_state(resume_from, rank if written_by == world else 0)
-    universal = elastic.needs_universal(written_by, world, cfg.deepspeed.zero_stage)
-    if universal:
-        kill = _kill_now if cfg.debug.kill_in_conversion else None
-        elastic.universal_checkpoint(resume_from, before_commit=kill)
-    engine = build_engine(model, cfg, world, load_universal=universal)
-
-    # The data layout: a resume on another world size starts the new ranks' streams where the old
-    # ranks' streams together had got to (`data.stream.continuation`), from then on part of the run.
-    layout_step, carry = (client or {}).get("layout_step", 0), None
-    if client is not None and written_by != world:
-        layout_step = client["step"]
-        carry = continuation(cfg.data, tokenizer, seq_len,
-                             [checkpoint.client_state(resume_from, r)["loader"] for r in range(written_by)])
+    plan = _plan_resume(resume_from, cfg, tokenizer) if resume_from is not None else None
+    engine = build_engine(model, cfg, world, load_universal=plan is not None and plan.universal)
+    layout_step = plan.layout_step if plan else 0
     loader = build_loader(cfg.data, tokenizer, split="train", seq_len=seq_len, batch_size=cfg.micro_batch_size,
-                          rank=rank, world_size=world, layout_step=layout_step, carry=carry)
+                          rank=rank, world_size=world, layout_step=layout_step, carry=plan.carry if plan else None)
     val_batches = _val_batches(cfg, tokenizer)
-    progress = _Progress()
-    if resume_from is not None:
-        checkpoint.load(engine, resume_from, universal=universal)
-        progress = _Progress(client["step"], client["tokens"], client["skipped"])
-        if written_by == world:
-            checkpoint.set_rng_state(client["rng"])
-            loader.load_state_dict(client["loader"])
-        else:  # the old ranks' RNG streams do not map onto the new ranks
-            _seed(cfg.seed + 1 + rank + 1_000_003 * progress.step)
+    if plan is not None:
+        progress = _restore(plan, engine, loader, cfg)
     else:
+        progress = _Progress()
         _seed(cfg.seed + 1 + rank)  # per-rank streams for anything random after the common init
 
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -159,6 +159,31 @@ def test_sigterm_to_the_process_group_with_a_data_worker(cache, tmp_path):
     check_resumed(run_dir, step, resumed.stderr)
 
 
+def test_sigterm_to_the_deepspeed_launcher_alone(cache, tmp_path):
+    """`kill -TERM <deepspeed>`: the runner dies without passing it on (it has no handler on one
+    node); the ranks notice their launcher is gone, finish the step, save and exit; then
+    `resume=auto` finishes the run."""
+    run_dir = tmp_path / "run"
+    command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--module", "train",
+               *overrides(run_dir, cache, "deepspeed=zero2", "micro_batch_size=2", SLOW)]
+    runner = start(command)
+    with cleanup(runner):
+        wait_for_step(runner, run_dir, 2)
+        launch = [p for p in psutil.Process(runner.pid).children() if "deepspeed.launcher.launch" in p.cmdline()]
+        ranks = launch[0].children()  # (their data workers are theirs)
+        assert len(ranks) == 2, ranks
+        runner.send_signal(signal.SIGTERM)
+        err = finish(runner)
+        gone, alive = psutil.wait_procs(ranks, timeout=TIMEOUT)
+    assert not alive and runner.returncode == -signal.SIGTERM, err[-3000:]
+    step = check_stopped(run_dir, 0, 2, err)
+
+    resumed = subprocess.run(command[:-1] + ["resume=auto"], cwd=REPO, env=env(), capture_output=True, text=True,
+                             timeout=TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    check_resumed(run_dir, step, resumed.stderr)
+
+
 def test_torchrun_then_the_launch_script_each_stop_and_save(cache, tmp_path):
     """Two ranks under ZeRO-3, one data worker each:
     1. `kill -TERM <torchrun>`: torchrun signals each rank's process group (data worker included);

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 from omegaconf import OmegaConf
 
@@ -60,9 +62,40 @@ class _StopRequest:
         self.signum = 0
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._handle)
+        launcher = _deepspeed_runner()
+        if launcher is not None:
+            threading.Thread(target=self._watch, args=(launcher,), daemon=True).start()
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.signum = self.signum or signum
+
+    def _watch(self, launcher: psutil.Process) -> None:
+        """The `deepspeed` runner has no signal handler on one node: SIGTERM ends it alone and its
+        ranks would train on, unsaved. Its end is therefore taken as the SIGTERM it must have been."""
+        while not self.signum:
+            try:
+                gone = not launcher.is_running() or launcher.status() == psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                gone = True
+            if gone:
+                self.signum = signal.SIGTERM
+                return
+            time.sleep(1.0)
+
+
+def _deepspeed_runner() -> psutil.Process | None:
+    """The `deepspeed` command that started this rank (runner -> deepspeed.launcher.launch -> rank), if any."""
+    try:
+        parent = psutil.Process().parent()
+        runner = parent.parent() if parent is not None else None
+        if parent is None or runner is None or "deepspeed.launcher.launch" not in parent.cmdline():
+            return None
+        args = runner.cmdline()[:3]
+    except psutil.Error:
+        return None
+    if any(Path(arg).name == "deepspeed" or arg == "deepspeed.launcher.runner" for arg in args):
+        return runner
+    return None
 
 
 @dataclass

@@ -102,18 +102,30 @@ def summarise(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
+NONE = "none"  # the scaling label of a model as trained
+
+
 def significance(rows: Sequence[dict]) -> list[dict]:
-    """Welch's test for every pair of groups under the same scaling, per metric and length."""
-    cells: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    """Welch's test per metric and length for every pair of setups (group, scaling) that share
+    their scaling, and for every setup with a scaling against every setup as trained: the paper's
+    question is whether a design with a scaling keeps what it or another design loses without one.
+    `a` carries `scaling`, `b` carries `scaling_b`."""
+    cells: dict[tuple, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        cells[(r["metric"], r["scaling"], r["length"])][r["group"]].append(r["value"])
+        cells[(r["metric"], r["length"])][(r["group"], r["scaling"])].append(r["value"])
     out = []
-    for (metric, scaling, length), groups in cells.items():
-        for a, b in combinations(groups, 2):
-            va, vb = groups[a], groups[b]
+    for (metric, length), setups in cells.items():
+        for first, second in combinations(setups, 2):
+            if first[1] != second[1]:
+                if NONE not in (first[1], second[1]):
+                    continue
+                if first[1] == NONE:  # the setup with the scaling first
+                    first, second = second, first
+            (a, scaling), (b, scaling_b) = first, second
+            va, vb = setups[(a, scaling)], setups[(b, scaling_b)]
             p = welch_p(va, vb)
             ma, mb = sum(va) / len(va), sum(vb) / len(vb)
-            out.append({"metric": metric, "scaling": scaling, "length": length, "a": a, "b": b,
+            out.append({"metric": metric, "scaling": scaling, "scaling_b": scaling_b, "length": length, "a": a, "b": b,
                         "mean_a": ma, "mean_b": mb, "diff": ma - mb, "p": p,
                         "significant": bool(p < ALPHA) if not math.isnan(p) else False})
     return out

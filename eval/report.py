@@ -399,7 +399,8 @@ def _mean_ci(mean: float, ci: float) -> str:
 
 
 def _orderings(tests: Sequence[dict], lengths: Sequence[int], lower_is_better: bool) -> list[str]:
-    """One line per length: `a beats b (p)` for each significant pair under the same scaling."""
+    """One line per length: `a beats b (p)` for each significant pair (under the same scaling, or a
+    setup with a scaling against one as trained)."""
     lines = []
     for length in lengths:
         here = [t for t in tests if t["length"] == length]
@@ -407,9 +408,13 @@ def _orderings(tests: Sequence[dict], lengths: Sequence[int], lower_is_better: b
             continue
         parts = []
         for t in here:
-            better, worse = (t["a"], t["b"]) if (t["diff"] < 0) == lower_is_better else (t["b"], t["a"])
-            scaling = "" if t["scaling"] == "none" else f" (both + {t['scaling']})"
-            parts.append(f"{better} beats {worse}{scaling} (p={t['p']:.2g})")
+            a, b = t["a"], t["b"]
+            scaling_b = t.get("scaling_b", t["scaling"])
+            if scaling_b != t["scaling"]:
+                a, b = f"{a} + {t['scaling']}", f"{b} as trained"
+            better, worse = (a, b) if (t["diff"] < 0) == lower_is_better else (b, a)
+            both = f" (both + {t['scaling']})" if scaling_b == t["scaling"] != "none" else ""
+            parts.append(f"{better} beats {worse}{both} (p={t['p']:.2g})")
         lines.append(f"- {plots._k(length)}: " + "; ".join(parts))
     return lines or ["- none"]
 

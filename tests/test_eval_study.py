@@ -144,3 +144,22 @@ def test_report_without_replicates_writes_no_seed_tables(tmp_path):
     assert report.main([str(a), str(b), "--out", str(tmp_path / "r")]) == 0
     assert not (tmp_path / "r" / "seeds_summary.csv").exists()
     assert (tmp_path / "r" / "compare_recall.csv").exists()
+
+
+def test_significance_compares_a_scaling_with_every_setup_as_trained():
+    """Same-scaling pairs as before, plus each setup with a scaling against every setup as trained
+    (here Origin + dynamic:8 vs CoCA as trained and vs Origin itself); never two different scalings."""
+    rows = [{"group": g, "seed": s, "run": f"{g}{s}", "metric": "passkey", "scaling": sc, "length": 512, "value": v}
+            for g, sc, values in [("origin", "none", [0.0, 0.1, 0.2]), ("origin", "dynamic:8", [1.0, 0.9, 0.8]),
+                                  ("coca", "none", [0.5, 0.6, 0.7]), ("coca", "dynamic:4", [0.9, 1.0, 1.0])]
+            for s, v in enumerate(values, 1)]
+    pairs = {(t["a"], t["scaling"], t["b"], t["scaling_b"]): t for t in aggregate.significance(rows)}
+    assert set(pairs) == {("origin", "none", "coca", "none"), ("origin", "dynamic:8", "origin", "none"),
+                          ("origin", "dynamic:8", "coca", "none"), ("coca", "dynamic:4", "origin", "none"),
+                          ("coca", "dynamic:4", "coca", "none")}
+    # 1.0, 0.9, 0.8 vs 0.5, 0.6, 0.7: the Welch test of the two cells (checked by hand above)
+    cross = pairs[("origin", "dynamic:8", "coca", "none")]
+    assert cross["p"] == pytest.approx(aggregate.welch_p([1.0, 0.9, 0.8], [0.5, 0.6, 0.7]))
+    assert cross["diff"] == pytest.approx(0.3) and cross["significant"]
+    assert "- 512: origin + dynamic:8 beats coca as trained" in "\n".join(
+        report._orderings([cross], [512], lower_is_better=False))

@@ -8,7 +8,7 @@ own world size. The conversion runs once per checkpoint, on rank 0, into `<ckpt>
 and is reused by later resumes; pruning the checkpoint removes it too. ZeRO 0 keeps the whole
 optimizer state in one file: DeepSpeed loads it on any world size, with no conversion.
 
-Measured on this project's `tiny` preset (two CPU ranks, ZeRO 2): see docs/DESIGN.md.
+Its cost against a save: `python -m bench.elastic` (figures in docs/DESIGN.md).
 """
 
 from __future__ import annotations

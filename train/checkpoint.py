@@ -26,6 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from train import distributed as dist
+from train.elastic import UNIVERSAL
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -247,7 +248,7 @@ def load(engine, ckpt: Path, *, universal: bool = False) -> None:
     The optimizer's hyperparameters then follow the current config (`train.schedule.Schedule.apply`):
     DeepSpeed restores the saved param groups, which hold the values of the run that wrote them.
     """
-    load_dir, tag = (ckpt, "universal") if universal else (ckpt.parent, ckpt.name)
+    load_dir, tag = (ckpt, UNIVERSAL) if universal else (ckpt.parent, ckpt.name)
     try:
         loaded, _ = engine.load_checkpoint(str(load_dir), tag=tag)
     except Exception as error:  # noqa: BLE001 - DeepSpeed/torch raise many types for a bad file

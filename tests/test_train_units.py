@@ -7,13 +7,14 @@ import math
 import os
 
 import pytest
+import torch
 
 from model import GPT
 from train.__main__ import main
 from train.checkpoint import MARKER, CheckpointError, complete_checkpoints, find_checkpoint
 from train.config import ConfigError, OptimConfig, compose, to_train_config
 from train.distributed import strip_local_rank
-from train.engine import deepspeed_config
+from train.engine import check_precision_supported, deepspeed_config, precision_refusal
 from train.flops import flops_per_token
 from train.metrics import wandb_mode
 from train.schedule import lr_at
@@ -151,3 +152,27 @@ def test_fresh_run_refuses_to_overwrite_a_run(tmp_path):
         _resume_checkpoint(_cfg(f"run_dir={run_dir}"))
     assert _resume_checkpoint(_cfg(f"run_dir={run_dir}", "resume=auto")) == done
     assert _resume_checkpoint(_cfg(f"run_dir={run_dir}", f"resume={done}")) == done
+
+
+@pytest.mark.parametrize(
+    "precision, device, has_bf16, refused",
+    [
+        ("fp16", "cpu", False, True),  # whatever DeepSpeed says of this CPU (AVX-512 FP16 or not)
+        ("fp16", "cuda", True, False),
+        ("bf16", "cpu", False, False),  # bf16 runs on every CPU
+        ("bf16", "cuda", False, True),  # an accelerator without bf16 (V100)
+        ("bf16", "cuda", True, False),
+        ("fp32", "cpu", False, False),
+        ("fp32", "cuda", False, False),
+    ],
+)
+def test_precision_policy_is_the_projects_not_the_hosts(precision, device, has_bf16, refused):
+    assert (precision_refusal(precision, device, has_bf16) is not None) == refused
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU half of the policy")
+def test_fp16_is_refused_on_every_cpu_and_bf16_accepted():
+    with pytest.raises(ConfigError, match=r"deepspeed.precision=fp16 is not supported on this device \(cpu\)"):
+        check_precision_supported("fp16")
+    check_precision_supported("bf16")
+    check_precision_supported("fp32")

@@ -25,13 +25,27 @@ def resolve_precision(precision: str) -> str:
     return "bf16" if accelerator.device_name() != "cpu" and accelerator.is_bf16_supported() else "fp32"
 
 
+def precision_refusal(precision: str, device: str, accelerator_has_bf16: bool) -> str | None:
+    """This project's precision policy, the same on every host: fp16 needs an accelerator (on the
+    CPU, DeepSpeed's answer depends on the CPU model: it accepts fp16 where mkldnn has AVX-512 FP16);
+    bf16 runs anywhere on the CPU (torch emulates it where the CPU lacks it) and on an accelerator
+    that has it; fp32 runs everywhere. Returns the reason a precision is refused, or None."""
+    if precision == "fp16" and device == "cpu":
+        return "fp16 needs a GPU (dynamic loss scaling is not run on the CPU)"
+    if precision == "bf16" and device != "cpu" and not accelerator_has_bf16:
+        return "this accelerator has no bf16"
+    return None
+
+
 def check_precision_supported(precision: str) -> None:
-    """A clear error, before DeepSpeed's, for a precision this device cannot train in."""
+    """A clear error, before DeepSpeed's, for a precision this project does not train in here."""
     accelerator = get_accelerator()
-    supported = {"bf16": accelerator.is_bf16_supported, "fp16": accelerator.is_fp16_supported}
-    if precision in supported and not supported[precision]():
+    device = accelerator.device_name()
+    has_bf16 = device != "cpu" and accelerator.is_bf16_supported()
+    reason = precision_refusal(precision, device, has_bf16)
+    if reason:
         raise ConfigError(
-            f"deepspeed.precision={precision} is not supported on this device ({accelerator.device_name()}); "
+            f"deepspeed.precision={precision} is not supported on this device ({device}): {reason}; "
             "use deepspeed.precision=auto, fp32 or bf16"
         )
 

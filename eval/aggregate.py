@@ -1,61 +1,56 @@
-"""Runs that differ only in their seed, summarised: mean, 95% confidence interval, significance.
+"""Runs that differ only in their seed, summarised and compared (the statistics: `eval.stats`).
 
-`python -m eval.report` groups runs by `meta.config_id` (the training config without seed and
-names, recorded by `python -m eval`) and, where a group has several seeds, reduces each metric
-per (design + scaling, length) over seeds:
+`python -m eval.report` groups runs into designs (`eval.report.seed_groups`) and hands each
+design's runs here. Every cell (metric, design + scaling, length) holds one array of case values
+per seed: passkey 1/0 per case, recall the share of a case's queries answered, the perplexity
+ratio to the training length one value per seed. From them:
 
-- the cell metrics: perplexity ratio to the training length (`ppl_ratio`), passkey accuracy
-  (`passkey`), recall accuracy (`recall`), one value per seed;
-- mean and the 95% confidence interval of the mean, `t(0.975, n - 1) * s / sqrt(n)` with the
-  sample standard deviation `s` (n = seeds);
-- for each pair of designs under the same scaling, Welch's two-sided t-test on the per-seed
-  values at each length, significant at p < 0.05 (no correction for multiple comparisons: the
-  table says so). With no spread at all in either group the test is undefined; equal means are
-  then "not significant" and different ones are reported with p = 0.
+- per cell: the seed mean, the sample SD of the seed values, and the 95% cluster-bootstrap
+  interval of the seed mean (seeds, then cases within seeds);
+- the pre-registered family (`conf/study/comparisons.yaml`): for each comparison and length the
+  difference of seed means (a - b), its 95% cluster-bootstrap interval, the exact permutation
+  p over seeds, Holm's adjusted p over the family, and the smallest difference each comparison
+  could detect;
+- exploratory: every other pair of setups under the same scaling, and every setup with a scaling
+  against every setup as trained, with the same effect, interval and permutation p, unadjusted.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections import defaultdict
+from dataclasses import dataclass
 from itertools import combinations
-from typing import Sequence
+from pathlib import Path
+from typing import Iterable, Sequence
 
-from scipy import stats
+import numpy as np
+import yaml
+from omegaconf import OmegaConf
 
-LEVEL = 0.95
+from data.config import DataError
+from eval import stats
+
 ALPHA = 0.05
 METRICS = ("ppl_ratio", "passkey", "recall")
 LOWER_IS_BETTER = {"ppl_ratio"}
+NONE = "none"  # the scaling label of a model as trained
+FAMILY_FILE = Path(__file__).resolve().parents[1] / "conf" / "study" / "comparisons.yaml"
+BOOTSTRAP_SEED = 19  # numpy Generator seed of every bootstrap: a report regenerates to the digit
+BOOTSTRAP_RESAMPLES = 10_000
+ATTENTION_STATS = ("max_score", "std_score", "max_zscore", "local_mass")
+
+Setup = tuple[str, str]  # (design, scaling)
+Cells = dict[tuple[str, int], dict[Setup, list[np.ndarray]]]  # (metric, length) -> setup -> per seed
 
 
-def mean_ci(values: Sequence[float], level: float = LEVEL) -> tuple[float, float]:
-    """Mean and the half-width of its `level` confidence interval (Student t); NaN width for n = 1."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, math.nan
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    return mean, float(stats.t.ppf(0.5 + level / 2, n - 1)) * sd / math.sqrt(n)
+# ----------------------------------------------------------------------------- cells
 
 
-def welch_p(a: Sequence[float], b: Sequence[float]) -> float:
-    """Two-sided p-value of Welch's t-test; 0 or 1 where both samples have no spread."""
-    if len(a) < 2 or len(b) < 2:
-        return math.nan
-    if max(a) == min(a) and max(b) == min(b):
-        return 1.0 if a[0] == b[0] else 0.0
-    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
-
-
-def per_seed_values(group: str, seed: int, run: str, results: dict) -> list[dict]:
-    """The cell metrics of one run's results (labels are scalings: `none`, `dynamic:4`...)."""
-    rows = []
-
-    def add(metric: str, scaling: str, length: int, value: float) -> None:
-        rows.append({"group": group, "seed": seed, "run": run, "metric": metric, "scaling": scaling,
-                     "length": length, "value": value})
-
+def run_cases(results: dict) -> dict[tuple[str, str, int], np.ndarray]:
+    """One run's case values per (metric, scaling, length); passkey in the evaluation's first mode."""
+    out: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     if "ppl" in results:
         train_len = results["ppl"]["meta"]["train_len"]
         by_scaling: dict[str, dict[int, float]] = defaultdict(dict)
@@ -65,54 +60,187 @@ def per_seed_values(group: str, seed: int, run: str, results: dict) -> list[dict
             base = by_length.get(train_len)
             for length, ppl in by_length.items():
                 if base is not None:
-                    add("ppl_ratio", scaling, length, ppl / base)
+                    out[("ppl_ratio", scaling, length)].append(ppl / base)
     if "passkey" in results:
         mode = results["passkey"]["modes"][0]
-        cells: dict[tuple[str, int], list[bool]] = defaultdict(list)
         for c in results["passkey"]["cases"]:
-            cells[(c["scaling"], c["length"])].append(c[f"{mode}_correct"])
-        for (scaling, length), hits in cells.items():
-            add("passkey", scaling, length, sum(hits) / len(hits))
+            out[("passkey", c["scaling"], c["length"])].append(float(c[f"{mode}_correct"]))
     if "recall" in results:
-        sums: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
         for c in results["recall"]["cases"]:
-            s = sums[(c["scaling"], c["length"])]
-            s[0] += c["correct"]
-            s[1] += c["queries"]
-        for (scaling, length), (right, total) in sums.items():
-            add("recall", scaling, length, right / total)
-    return rows
+            out[("recall", c["scaling"], c["length"])].append(c["correct"] / c["queries"])
+    return {k: np.array(v) for k, v in out.items()}
 
 
-def label(group: str, scaling: str) -> str:
-    return group if scaling == "none" else f"{group} + {scaling}"
+def per_seed_values(design: str, seed: int, run: str, results: dict) -> list[dict]:
+    """One row per cell of one run: its seed value (mean of its case values) and case count."""
+    return [{"group": design, "seed": seed, "run": run, "metric": metric, "scaling": scaling,
+             "length": length, "cases": len(v), "value": float(v.mean())}
+            for (metric, scaling, length), v in run_cases(results).items()]
 
 
-def summarise(rows: Sequence[dict]) -> list[dict]:
-    """Mean and 95% CI per (metric, group, scaling, length) over seeds."""
-    cells: dict[tuple, list[float]] = defaultdict(list)
-    for r in rows:
-        cells[(r["metric"], r["group"], r["scaling"], r["length"])].append(r["value"])
+def collect(runs: Iterable[tuple[str, dict]]) -> Cells:
+    """The cells of (design, results) pairs, one entry per run in the order given."""
+    cells: Cells = defaultdict(lambda: defaultdict(list))
+    for design, results in runs:
+        for (metric, scaling, length), values in run_cases(results).items():
+            cells[(metric, length)][(design, scaling)].append(values)
+    return cells
+
+
+def label(design: str, scaling: str) -> str:
+    return design if scaling == NONE else f"{design} + {scaling}"
+
+
+class Bootstraps:
+    """Cluster-bootstrap replicates of each setup's seed mean, drawn once per cell and reused by
+    every interval that cell enters. Each cell has its own generator, spawned from
+    `BOOTSTRAP_SEED` and the cell's name, so designs are resampled independently and a cell's
+    replicates do not depend on which other runs the report was given."""
+
+    def __init__(self, cells: Cells, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED):
+        self.cells, self.resamples, self.seed = cells, resamples, seed
+        self._cache: dict[tuple, np.ndarray] = {}
+
+    def means(self, metric: str, length: int, setup: Setup) -> np.ndarray:
+        key = (metric, length, *setup)
+        if key not in self._cache:
+            name = zlib.crc32("|".join(map(str, key)).encode())
+            rng = np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=(name,)))
+            self._cache[key] = stats.bootstrap_means(self.cells[(metric, length)][setup], self.resamples, rng)
+        return self._cache[key]
+
+
+def summarise(cells: Cells, boots: Bootstraps) -> list[dict]:
+    """Seed mean, sample SD and 95% cluster-bootstrap interval per (metric, setup, length). A
+    single seed gets no interval (NaN): the spread between trainings is then unknown."""
     out = []
-    for (metric, group, scaling, length), values in cells.items():
-        mean, ci = mean_ci(values)
-        out.append({"metric": metric, "label": label(group, scaling), "group": group, "scaling": scaling,
-                    "length": length, "n": len(values), "mean": mean, "ci95": ci,
-                    "low": mean - ci, "high": mean + ci})
+    for (metric, length), setups in cells.items():
+        for (design, scaling), seeds in setups.items():
+            values = stats.seed_values(seeds)
+            low, high = (stats.percentile_interval(boots.means(metric, length, (design, scaling)))
+                         if len(values) > 1 else (math.nan, math.nan))
+            out.append({"metric": metric, "label": label(design, scaling), "group": design,
+                        "scaling": scaling, "length": length, "n": len(values),
+                        "cases": int(sum(len(s) for s in seeds)), "mean": float(values.mean()),
+                        "sd": stats.sample_sd(values), "low": low, "high": high})
     return out
 
 
-NONE = "none"  # the scaling label of a model as trained
+def compare_pair(cells: Cells, boots: Bootstraps, metric: str, length: int, a: Setup, b: Setup) -> dict:
+    """Effect (a - b) of seed means, its 95% cluster-bootstrap interval (NaN where a side has a
+    single seed) and the permutation p."""
+    va, vb = stats.seed_values(cells[(metric, length)][a]), stats.seed_values(cells[(metric, length)][b])
+    low, high = math.nan, math.nan
+    if min(len(va), len(vb)) > 1:
+        low, high = stats.percentile_interval(boots.means(metric, length, a) - boots.means(metric, length, b))
+    return {"n_a": len(va), "n_b": len(vb), "mean_a": float(va.mean()), "mean_b": float(vb.mean()),
+            "diff": stats.mean_difference(va, vb), "low": low, "high": high, "p": stats.permutation_p(va, vb),
+            "pooled_sd": stats.pooled_sd(va, vb)}
 
 
-def significance(rows: Sequence[dict]) -> list[dict]:
-    """Welch's test per metric and length for every pair of setups (group, scaling) that share
-    their scaling, and for every setup with a scaling against every setup as trained: the paper's
-    question is whether a design with a scaling keeps what it or another design loses without one.
-    `a` carries `scaling`, `b` carries `scaling_b`."""
-    cells: dict[tuple, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        cells[(r["metric"], r["length"])][(r["group"], r["scaling"])].append(r["value"])
+# ----------------------------------------------------------------------------- the family
+
+
+@dataclass(frozen=True)
+class Family:
+    """The pre-registered comparisons (conf/study/comparisons.yaml): a vs b under one scaling, at
+    each length, on one metric, Holm-adjusted at `alpha`."""
+
+    path: Path
+    metric: str
+    lengths: tuple[int, ...]
+    comparisons: tuple[tuple[str, str, str], ...]  # (a, b, scaling)
+    alpha: float
+    resamples: int  # bootstrap replicates of every interval in the report
+
+    @property
+    def size(self) -> int:
+        return len(self.comparisons) * len(self.lengths)
+
+
+def load_family(path: Path) -> Family:
+    """The family file, or a `DataError` naming what is missing or wrong in it."""
+    if not path.is_file():
+        raise DataError(f"--family {path}: no such file")
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+    except yaml.YAMLError as e:  # OmegaConf parses with PyYAML
+        raise DataError(f"--family {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    try:
+        comparisons = tuple((str(c["a"]), str(c["b"]), str(c["scaling"])) for c in raw["comparisons"])
+        family = Family(path, str(raw["metric"]), tuple(int(x) for x in raw["lengths"]), comparisons,
+                        float(raw["alpha"]), int(raw.get("bootstrap_resamples", BOOTSTRAP_RESAMPLES)))
+        methods = (raw.get("adjust"), raw.get("test"), raw.get("interval"))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise DataError(f"--family {path} needs metric, lengths, comparisons (a, b, scaling) and alpha "
+                        f"({type(e).__name__}: {e})") from None
+    if methods != ("holm", "exact_permutation_over_seeds", "cluster_bootstrap"):
+        raise DataError(f"--family {path}: this report implements adjust: holm, "
+                        "test: exact_permutation_over_seeds, interval: cluster_bootstrap")
+    if family.metric not in METRICS or not family.comparisons or not family.lengths:
+        raise DataError(f"--family {path}: metric must be one of {', '.join(METRICS)}, "
+                        "with at least one comparison and one length")
+    return family
+
+
+def family_tests(cells: Cells, boots: Bootstraps, family: Family) -> list[dict]:
+    """One row per comparison and length, Holm-adjusted over the whole pre-registered family.
+
+    A cell without runs of both designs is listed as not tested and enters Holm's adjustment with
+    p = 1, so the family keeps the size it was registered with (m = comparisons x lengths): the
+    other tests are adjusted no less than planned.
+    """
+    rows = []
+    for a, b, scaling in family.comparisons:
+        for length in family.lengths:
+            row = {"a": a, "b": b, "scaling": scaling, "length": length}
+            setups = cells.get((family.metric, length), {})
+            if (a, scaling) in setups and (b, scaling) in setups:
+                pair = compare_pair(cells, boots, family.metric, length, (a, scaling), (b, scaling))
+                row |= {"tested": True, **pair}
+            else:
+                row |= {"tested": False, "n_a": len(setups.get((a, scaling), [])),
+                        "n_b": len(setups.get((b, scaling), [])), "p": math.nan}
+            rows.append(row)
+    adjusted, reject = stats.holm([r["p"] if r["tested"] else 1.0 for r in rows], family.alpha)
+    for r, p_holm, significant in zip(rows, adjusted, reject):
+        r["p_holm"] = float(p_holm) if r["tested"] else math.nan
+        r["significant"] = bool(significant) and r["tested"]
+    return rows
+
+
+def detectable(rows: Sequence[dict], family: Family) -> list[dict]:
+    """Per comparison: the smallest difference it could detect (`stats.detectable_difference` at
+    Holm's first-step level, from each length's pooled seed SD; the median over lengths), and the
+    smallest p its seed counts allow against that level."""
+    out = []
+    for a, b, scaling in family.comparisons:
+        here = [r for r in rows if (r["a"], r["b"], r["scaling"]) == (a, b, scaling) and r["tested"]]
+        sizes = [(r["n_a"], r["n_b"], r["pooled_sd"]) for r in here if not math.isnan(r["pooled_sd"])]
+        row = {"a": a, "b": b, "scaling": scaling, "lengths": len(here), "level": family.alpha / family.size}
+        if sizes:
+            n_a, n_b, _ = sizes[0]
+            deltas = [stats.detectable_difference(sd, na, nb, family.alpha, family.size)
+                      for na, nb, sd in sizes]
+            row |= {"n_a": n_a, "n_b": n_b, "median_sd": float(np.median([s for _, _, s in sizes])),
+                    "detectable": float(np.median(deltas)), "smallest_p": stats.smallest_p(n_a, n_b)}
+        out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- exploratory
+
+
+def significance(cells: Cells, boots: Bootstraps, family: Family | None = None) -> list[dict]:
+    """Every pair of setups that share their scaling, and every setup with a scaling against
+    every setup as trained (the paper's question is whether a design with a scaling keeps what it
+    or another design loses without one), per metric and length, except the family's own tests:
+    effect, interval and permutation p, unadjusted (exploratory). `a` carries `scaling`, `b`
+    carries `scaling_b`."""
+    registered = set()
+    if family is not None:
+        registered = {(family.metric, length, frozenset({(a, s), (b, s)}))
+                      for a, b, s in family.comparisons for length in family.lengths}
     out = []
     for (metric, length), setups in cells.items():
         for first, second in combinations(setups, 2):
@@ -121,11 +249,25 @@ def significance(rows: Sequence[dict]) -> list[dict]:
                     continue
                 if first[1] == NONE:  # the setup with the scaling first
                     first, second = second, first
-            (a, scaling), (b, scaling_b) = first, second
-            va, vb = setups[(a, scaling)], setups[(b, scaling_b)]
-            p = welch_p(va, vb)
-            ma, mb = sum(va) / len(va), sum(vb) / len(vb)
-            out.append({"metric": metric, "scaling": scaling, "scaling_b": scaling_b, "length": length, "a": a, "b": b,
-                        "mean_a": ma, "mean_b": mb, "diff": ma - mb, "p": p,
-                        "significant": bool(p < ALPHA) if not math.isnan(p) else False})
+            if (metric, length, frozenset({first, second})) in registered:
+                continue
+            t = compare_pair(cells, boots, metric, length, first, second)
+            out.append({"metric": metric, "scaling": first[1], "scaling_b": second[1], "length": length,
+                        "a": first[0], "b": second[0], **t, "significant": t["p"] < ALPHA})
+    return out
+
+
+def attention_summary(runs: Iterable[tuple[str, dict]]) -> list[dict]:
+    """Mean and sample SD over seeds of each attention statistic, per design, scaling and layer."""
+    values: dict[tuple[str, str, int], list[dict]] = defaultdict(list)
+    for design, results in runs:
+        for r in results.get("attention", {}).get("rows", []):
+            values[(design, r["scaling"], r["layer"])].append(r)
+    out = []
+    for (design, scaling, layer), rows in values.items():
+        row = {"label": label(design, scaling), "layer": layer, "n": len(rows)}
+        for key in ATTENTION_STATS:
+            row[key] = float(np.mean([r[key] for r in rows]))
+            row[f"{key}_sd"] = stats.sample_sd([r[key] for r in rows])
+        out.append(row)
     return out

@@ -87,10 +87,12 @@ def plot_recall(series: Series, path: Path, train_len: int | None = None) -> Pat
     return plot_lines(series, path, "recall accuracy", "Multi-query associative recall", train_len, log_y=False)
 
 
-def plot_bands(cells: Sequence[dict], path: Path, ylabel: str, train_len: int | None, log_y: bool) -> Path:
-    """Mean against length with 95% confidence bands, one line per `label` (rows of
-    `eval.aggregate.summarise` for one metric)."""
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+def plot_bands(cells: Sequence[dict], path: Path, ylabel: str, train_len: int | None, log_y: bool,
+               unit_range: bool = False) -> Path:
+    """Seed mean against length with its 95% cluster-bootstrap band, one line per `label` (rows of
+    `eval.aggregate.summarise` for one metric: `mean`, `low`, `high`). `unit_range` fixes the
+    y-axis at 0..1 (accuracies), so designs and figures compare at a glance."""
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
     labels = list(dict.fromkeys(c["label"] for c in cells))
     styles = _line_styles(labels)
     lengths: list[int] = []
@@ -98,17 +100,20 @@ def plot_bands(cells: Sequence[dict], path: Path, ylabel: str, train_len: int | 
         rows = sorted((c for c in cells if c["label"] == label), key=lambda c: c["length"])
         x = [c["length"] for c in rows]
         lengths += x
-        mean = np.array([c["mean"] for c in rows])
-        ci = np.nan_to_num(np.array([c["ci95"] for c in rows]))
         color, style = styles[label]
-        ax.plot(x, mean, marker="o", color=color, linestyle=style, label=label)
-        ax.fill_between(x, mean - ci, mean + ci, color=color, alpha=0.15, linewidth=0)
+        n = max(c["n"] for c in rows)
+        ax.plot(x, [c["mean"] for c in rows], marker="o", color=color, linestyle=style,
+                label=f"{label} ({n} seed{'s' * (n > 1)})", clip_on=not unit_range)  # markers at 0, 1 whole
+        ax.fill_between(x, [c["low"] for c in rows], [c["high"] for c in rows], color=color, alpha=0.12,
+                        linewidth=0)
     _length_axis(ax, lengths, train_len)
     if log_y:
         ax.set_yscale("log")
+    if unit_range:
+        ax.set_ylim(0.0, 1.0)
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{ylabel}: mean over seeds, 95% confidence band")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(f"{ylabel}\nseed mean, 95% cluster-bootstrap band (seeds, then cases)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

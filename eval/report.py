@@ -5,7 +5,10 @@ turns them into CSV and Markdown tables and PNG figures. Comparison across runs:
 
     python -m eval.report runs/a runs/b runs/c [--out eval_report]
 
-writes one table and one figure per task with a line per run and scaling.
+writes one table and one figure per task with a line per run and scaling. Runs of one training
+setup with different seeds are replicates: the seed report (`seeds_report.md`, `seeds_*.csv`,
+`seeds_*.png`) then puts the pre-registered comparison family first (`--family`, default
+conf/study/comparisons.yaml) and labels everything else exploratory.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -22,7 +26,7 @@ import numpy as np
 
 from data.cli import RUNTIME, USAGE, OneLineParser
 from data.config import DataError, check_dir
-from eval import aggregate, plots
+from eval import aggregate, plots, stats
 
 TASKS = ("ppl", "passkey", "recall", "attention")
 PROFILES_FILE = "attention_profiles.npz"
@@ -298,8 +302,11 @@ def _labelled(task: str, result: dict, eval_dir: Path, prefix: str) -> dict:
 # ----------------------------------------------------------------------------- comparison
 
 
-def compare(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, list[Path]]:
-    """One table and one figure per task with a line per (run, scaling)."""
+def compare(run_dirs: Sequence[Path], out_dir: Path,
+            family_path: Path = aggregate.FAMILY_FILE) -> dict[str, list[Path]]:
+    """One table and one figure per task with a line per (run, scaling); with replicates, the seed
+    report against the pre-registered family in `family_path`."""
+    family = aggregate.load_family(family_path)
     loaded = []
     for run in run_dirs:
         eval_dir = run / "eval" if (run / "eval").is_dir() else run
@@ -330,19 +337,25 @@ def compare(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, list[Path]]:
     written = render(merged, out_dir, prefix="comparison of " + ", ".join(labels), stem="compare_")
     groups = seed_groups(loaded)
     if any(len(runs) > 1 for runs in groups.values()):
-        written["seeds"] = render_seeds(groups, out_dir)
+        written["seeds"] = render_seeds(groups, out_dir, family)
     return written
 
 
 # ----------------------------------------------------------------------------- seeds
 
 
-def seed_groups(loaded: Sequence[tuple[Path, Path, dict]]) -> dict[str, list[tuple[Path, dict]]]:
-    """Runs grouped by training setup (`meta.config_id`), named by their design label.
+def design_name(run: Path, meta: dict) -> str:
+    """The run folder's name without its `_s<seed>` suffix (`coca_strict_s3` -> `coca_strict`: the
+    names conf/study/comparisons.yaml uses), or the design label where the folder has none."""
+    match = re.fullmatch(rf"(.+)_s{meta.get('seed')}", run.name)
+    return match.group(1) if match else meta["label"]
 
-    Two setups with the same design label (say, a text-only and a retrieval-mix Origin) are told
-    apart by their first run's directory name. Runs of one setup that repeat a seed are not
-    replicates: each then stands alone.
+
+def seed_groups(loaded: Sequence[tuple[Path, Path, dict]]) -> dict[str, list[tuple[Path, dict]]]:
+    """Runs grouped by training setup (`meta.config_id`), named by `design_name` of their first run.
+
+    Two setups with the same name are told apart by their first run's directory name. Runs of one
+    setup that repeat a seed are not replicates: each then stands alone.
     """
     by_id: dict[str, list[tuple[Path, dict]]] = {}
     for i, (run, _, results) in enumerate(loaded):
@@ -352,55 +365,148 @@ def seed_groups(loaded: Sequence[tuple[Path, Path, dict]]) -> dict[str, list[tup
     for runs in by_id.values():
         seeds = [next(iter(r.values()))["meta"].get("seed") for _, r in runs]
         groups += [runs] if len(set(seeds)) == len(seeds) else [[run] for run in runs]
-    labels = [next(iter(runs[0][1].values()))["meta"]["label"] for runs in groups]
-    return {(label if labels.count(label) == 1 else f"{label} ({runs[0][0].name})"): runs
-            for label, runs in zip(labels, groups)}
+    names = [design_name(runs[0][0], next(iter(runs[0][1].values()))["meta"]) for runs in groups]
+    return {(name if names.count(name) == 1 else f"{name} ({runs[0][0].name})"): runs
+            for name, runs in zip(names, groups)}
 
 
-def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path) -> list[Path]:
-    """Per-seed values, mean +- 95% CI per cell, pairwise significance: CSV, Markdown, figures."""
-    rows = []
-    for name, runs in groups.items():
-        for run, results in runs:
-            rows += aggregate.per_seed_values(name, next(iter(results.values()))["meta"].get("seed"), str(run), results)
-    summary = aggregate.summarise(rows)
-    tests = aggregate.significance(rows)
-    train_lens = {next(iter(r.values()))["meta"]["train_len"] for runs in groups.values() for _, r in runs}
+SEED_TITLES = {"ppl_ratio": "Perplexity / perplexity at the training length",
+               "passkey": "Passkey accuracy", "recall": "Recall accuracy"}
+
+
+def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
+                 family: aggregate.Family) -> list[Path]:
+    """The seed report: the pre-registered family first (effect, interval, raw and Holm p), the
+    smallest detectable differences, then everything else, labelled exploratory: CSV, Markdown,
+    figures with bootstrap bands."""
+    rows, runs = [], []
+    for name, group in groups.items():
+        for run, results in group:
+            seed = next(iter(results.values()))["meta"].get("seed")
+            rows += aggregate.per_seed_values(name, seed, str(run), results)
+            runs.append((name, results))
+    cells = aggregate.collect(runs)
+    boots = aggregate.Bootstraps(cells, family.resamples)
+    summary = aggregate.summarise(cells, boots)
+    registered = aggregate.family_tests(cells, boots, family)
+    power = aggregate.detectable(registered, family)
+    tests = aggregate.significance(cells, boots, family)
+    attention = aggregate.attention_summary(runs)
+    train_lens = {next(iter(r.values()))["meta"]["train_len"] for group in groups.values() for _, r in group}
     train_len = train_lens.pop() if len(train_lens) == 1 else None
-    titles = {"ppl_ratio": "Perplexity / perplexity at the training length",
-              "passkey": "Passkey accuracy", "recall": "Recall accuracy"}
-    seeds = ", ".join(f"{name}: {len(runs)}" for name, runs in groups.items())
-    md = ["# Seed-aggregated comparison", "",
-          f"Mean over seeds (seeds per setup: {seeds}) ± the half-width of the 95% confidence interval "
-          f"(Student t). Pairs: Welch's t-test on per-seed values, p < {aggregate.ALPHA} "
-          "(no multiple-comparison correction).", ""]
-    written = [write_csv(out_dir / "seeds_values.csv", rows), write_csv(out_dir / "seeds_summary.csv", summary),
-               write_csv(out_dir / "seeds_significance.csv", tests)]
+    seeds = ", ".join(f"{name}: {len(group)}" for name, group in groups.items())
+    md = ["# Seed-aggregated comparison", "", f"Seeds per design: {seeds}. Cases per seed and cell: "
+          + ", ".join(f"{m} {c}" for m, c in _case_counts(rows).items() if m != "ppl_ratio")
+          + "; the perplexity ratio is one value per seed.", ""]
+    md += _family_markdown(registered, power, family)
+    md += ["## Exploratory (not pre-registered; unadjusted)", "",
+           "Everything in this section is exploratory: no correction for the many comparisons, so a "
+           "p < 0.05 here is a lead, not a finding. Cells: seed mean [95% cluster-bootstrap interval] "
+           f"({family.resamples} resamples of seeds, then cases within seed). Pairs: difference of seed "
+           "means (a - b) with its interval and the exact permutation p over seeds; every pair is in "
+           "`seeds_significance.csv`.", ""]
+    tables = {"values": rows, "summary": summary, "family": registered, "power": power, "significance": tests}
+    written = [write_csv(out_dir / f"seeds_{name}.csv", table) for name, table in tables.items()]
     for metric in aggregate.METRICS:
-        cells = [r for r in summary if r["metric"] == metric]
-        if not cells:
+        here = [r for r in summary if r["metric"] == metric]
+        if not here:
             continue
-        lengths = sorted({r["length"] for r in cells})
+        lengths = sorted({r["length"] for r in here})
         table: dict[str, dict[int, str]] = {}
-        for r in cells:
-            table.setdefault(r["label"], {})[r["length"]] = _mean_ci(r["mean"], r["ci95"])
-        md += [f"## {titles[metric]}", "", pivot_markdown(lengths, table, "model / scaling"), ""]
-        significant = [t for t in tests if t["metric"] == metric and t["significant"]]
-        md += ["Significant differences:", ""] + _orderings(significant, lengths, metric in aggregate.LOWER_IS_BETTER) + [""]
-        written.append(plots.plot_bands(cells, out_dir / f"seeds_{metric}.png", titles[metric], train_len,
-                                        log_y=False))
+        for r in here:
+            table.setdefault(r["label"], {})[r["length"]] = _interval(r["mean"], r["low"], r["high"])
+        md += [f"### {SEED_TITLES[metric]}", "", pivot_markdown(lengths, table, "model / scaling"), ""]
+        pairs = [t for t in tests if t["metric"] == metric]
+        md += [f"Exploratory differences at p < {aggregate.ALPHA} (exact permutation, unadjusted; "
+               f"{len(pairs)} pairs tested, {_floor_note(pairs)}):", ""]
+        md += _orderings([t for t in pairs if t["significant"]], lengths, metric in aggregate.LOWER_IS_BETTER)
+        md += [""]
+        written.append(plots.plot_bands(here, out_dir / f"seeds_{metric}.png", SEED_TITLES[metric], train_len,
+                                        log_y=False, unit_range=metric != "ppl_ratio"))
+    if attention:
+        keys = list(aggregate.ATTENTION_STATS)
+        md += ["### Attention statistics (mean ± sample SD over seeds)", "",
+               markdown(["model / scaling", "layer", "seeds"] + keys,
+                        [[r["label"], r["layer"], r["n"]] + [_mean_sd(r[k], r[f"{k}_sd"]) for k in keys]
+                         for r in attention]), ""]
+        written.append(write_csv(out_dir / "seeds_attention.csv", attention))
     md_path = out_dir / "seeds_report.md"
     md_path.write_text("\n".join(md))
     return written + [md_path]
 
 
-def _mean_ci(mean: float, ci: float) -> str:
-    return fmt(mean) if math.isnan(ci) else f"{mean:.3g} ± {ci:.2g}"
+def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggregate.Family) -> list[str]:
+    level = family.alpha / family.size
+    md = [f"## Pre-registered comparisons (`{_shown(family.path)}`)", "",
+          f"{SEED_TITLES[family.metric]}, a vs b under the same scaling, {family.size} tests. Effect: "
+          "difference of seed means (a - b) with its 95% cluster-bootstrap interval "
+          f"({family.resamples} resamples: seeds within each design, then cases within each drawn seed). "
+          "p: exact two-sided permutation test over seeds. Holm: adjusted over the whole family "
+          f"(cells not tested count as p = 1); significant: Holm p < {family.alpha}.", ""]
+    body = []
+    for r in rows:
+        if r["tested"]:
+            body.append([r["a"], r["b"], r["scaling"], plots._k(r["length"]), r["n_a"], r["n_b"], r["mean_a"],
+                         r["mean_b"], _effect(r["diff"], r["low"], r["high"]), r["p"], r["p_holm"],
+                         "yes" if r["significant"] else "no"])
+        else:
+            body.append([r["a"], r["b"], r["scaling"], plots._k(r["length"]), r["n_a"], r["n_b"], "", "", "",
+                         "not tested", "", "no"])
+    md += [markdown(["a", "b", "scaling", "length", "seeds a", "seeds b", "mean a", "mean b",
+                     "effect [95% CI]", "p", "p (Holm)", "significant"], body), ""]
+    md += ["### Smallest detectable difference", "",
+           f"Per comparison: the difference of seed means detected with 80% power at the level of Holm's "
+           f"first step ({family.alpha} / {family.size} = {level:.2g}, two-sided), by the normal "
+           "approximation with the cell's pooled seed SD (median over the lengths tested). Where the "
+           "smallest p the exact test can give with these seeds is above that level, no difference of "
+           "any size can be significant in this family.", ""]
+    body = [[r["a"], r["b"], r["scaling"], r.get("n_a", ""), r.get("n_b", ""), r.get("median_sd", ""),
+             r.get("detectable", ""), r.get("smallest_p", ""),
+             ("yes" if r["smallest_p"] <= level else "no") if "smallest_p" in r else ""] for r in power]
+    md += [markdown(["a", "b", "scaling", "seeds a", "seeds b", "pooled seed SD", "detectable difference",
+                     "smallest possible p", f"can reach {level:.2g}"], body), ""]
+    return md
+
+
+def _shown(path: Path) -> str:
+    """A path relative to the working directory where it lies below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _case_counts(rows: Sequence[dict]) -> dict[str, str]:
+    """Per metric the case counts per seed and cell seen (`16`, or `16-100` where they vary)."""
+    out = {}
+    for metric in aggregate.METRICS:
+        counts = {r["cases"] for r in rows if r["metric"] == metric}
+        if counts:
+            out[metric] = str(min(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
+    return out
+
+
+def _floor_note(pairs: Sequence[dict]) -> str:
+    """How many of the pairs could reach p < ALPHA at all with their seed counts."""
+    able = sum(stats.smallest_p(t["n_a"], t["n_b"]) < aggregate.ALPHA for t in pairs)
+    return f"{able} of them with seeds enough to reach p < {aggregate.ALPHA} at all"
+
+
+def _interval(mean: float, low: float, high: float) -> str:
+    return fmt(mean) if math.isnan(low) else f"{mean:.3g} [{low:.3g}, {high:.3g}]"
+
+
+def _effect(diff: float, low: float, high: float) -> str:
+    return f"{diff:+.3f}" if math.isnan(low) else f"{diff:+.3f} [{low:+.3f}, {high:+.3f}]"
+
+
+def _mean_sd(mean: float, sd: float) -> str:
+    return fmt(mean) if math.isnan(sd) else f"{mean:.3g} ± {sd:.2g}"
 
 
 def _orderings(tests: Sequence[dict], lengths: Sequence[int], lower_is_better: bool) -> list[str]:
-    """One line per length: `a beats b (p)` for each significant pair (under the same scaling, or a
-    setup with a scaling against one as trained)."""
+    """One line per length: `a beats b (effect [interval], p)` for each pair given (under the same
+    scaling, or a setup with a scaling against one as trained)."""
     lines = []
     for length in lengths:
         here = [t for t in tests if t["length"] == length]
@@ -414,7 +520,8 @@ def _orderings(tests: Sequence[dict], lengths: Sequence[int], lower_is_better: b
                 a, b = f"{a} + {t['scaling']}", f"{b} as trained"
             better, worse = (a, b) if (t["diff"] < 0) == lower_is_better else (b, a)
             both = f" (both + {t['scaling']})" if scaling_b == t["scaling"] != "none" else ""
-            parts.append(f"{better} beats {worse}{both} (p={t['p']:.2g})")
+            effect = _effect(t["diff"], t["low"], t["high"])
+            parts.append(f"{better} beats {worse}{both} ({effect}, p={t['p']:.2g})")
         lines.append(f"- {plots._k(length)}: " + "; ".join(parts))
     return lines or ["- none"]
 
@@ -424,10 +531,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m eval.report", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (or their eval/ folders)")
     parser.add_argument("--out", type=Path, default=Path("eval_report"), help="output folder")
+    parser.add_argument("--family", type=Path, default=aggregate.FAMILY_FILE,
+                        help="the pre-registered comparison family (default: conf/study/comparisons.yaml)")
     args = parser.parse_args(argv)
     try:
         check_dir(args.out, "--out")
-        written = compare(args.runs, args.out)
+        written = compare(args.runs, args.out, args.family)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return RUNTIME if isinstance(e, DataError) else USAGE

@@ -1,4 +1,5 @@
-"""Recall scoring, and the seed aggregation of `eval.report` (mean, 95% CI, Welch's test) by hand."""
+"""Recall scoring, and the seed report of `eval.report` (seed means, bootstrap intervals, the
+pre-registered family, exploratory permutation tests) against hand computations."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import csv
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,9 +36,12 @@ class Oracle(torch.nn.Module):
         self.always = always
 
     def forward(self, idx: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        nxt = self.next[tuple(idx[0].tolist())]
-        target = [self.always] * len(nxt) if self.always is not None else nxt
-        logits = torch.nn.functional.one_hot(torch.tensor(target), VOCAB).float()[None]
+        rows = []
+        for sequence in idx.tolist():  # one row per case of the batch
+            nxt = self.next[tuple(sequence)]
+            target = [self.always] * len(nxt) if self.always is not None else nxt
+            rows.append(torch.nn.functional.one_hot(torch.tensor(target), VOCAB).float())
+        logits = torch.stack(rows)
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
 
@@ -57,25 +62,7 @@ def test_recall_cases_depend_on_seed_and_length_only(tok):
         make_recall_cases(tok, 30, 1, 4, seed=1)
 
 
-# ----------------------------------------------------------------------------- statistics by hand
-
-T_975_DF2 = 4.302652729749464  # Student t quantile, 0.975, 2 degrees of freedom (tables)
-
-
-def test_mean_and_confidence_interval_by_hand():
-    mean, ci = aggregate.mean_ci([0.5, 0.7, 0.9])
-    # mean 0.7; sample sd sqrt((0.04 + 0 + 0.04) / 2) = 0.2; half-width t * 0.2 / sqrt(3)
-    assert mean == pytest.approx(0.7, abs=1e-12)
-    assert ci == pytest.approx(T_975_DF2 * 0.2 / math.sqrt(3), rel=1e-9)
-    assert math.isnan(aggregate.mean_ci([0.4])[1])
-
-
-def test_welch_p_value_by_hand():
-    # a = 1, 2, 3; b = 4, 5, 6: variances 1, t = -3 / sqrt(2/3) = -3.6742; Welch df = 4.
-    # Two-sided p for |t| = 3.6742 at 4 df: 0.021312 (t-distribution tables / integration).
-    assert aggregate.welch_p([1, 2, 3], [4, 5, 6]) == pytest.approx(0.021312, abs=2e-6)
-    assert aggregate.welch_p([1, 1, 1], [1, 1, 1]) == 1.0  # no spread, same: not significant
-    assert aggregate.welch_p([0, 0, 0], [1, 1, 1]) == 0.0  # no spread, different
+# ----------------------------------------------------------------------------- the seed report
 
 
 def _seed_run(root: Path, name: str, label: str, config_id: str, seed: int, ppl_2x: float, passkey_hits: int,
@@ -93,6 +80,10 @@ def _seed_run(root: Path, name: str, label: str, config_id: str, seed: int, ppl_
     recall = [{"scaling": "none", "length": 64, "tokens": 64, "pairs": 9, "queries": 5, "correct": c, "pred": []}
               for c in (min(5, recall_right), max(0, recall_right - 5))]
     report.save_json(out / "recall.json", {"meta": meta, "cases": recall, "queries": 5})
+    attention = [{"scaling": "none", "layer": 1, "max_score": float(seed), "min_score": -1.0, "std_score": 1.0,
+                  "outlier_ratio": 0.0, "max_zscore": 2.0, "local_mass": 0.5}]
+    report.save_json(out / "attention.json", {"meta": meta, "rows": attention, "length": 128, "sigma": 6.0,
+                                              "window": 16})
     return root / name
 
 
@@ -101,41 +92,74 @@ def _csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+FAMILY = """metric: passkey
+lengths: [64]
+comparisons:
+  - {a: coca, b: origin, scaling: none}
+alpha: 0.05
+adjust: holm
+interval: cluster_bootstrap
+bootstrap_resamples: 2000
+test: exact_permutation_over_seeds
+"""
+
+
 def test_report_aggregates_runs_differing_only_in_seed(tmp_path):
-    runs = [_seed_run(tmp_path, f"o{s}", "origin", "A", s, ppl, hits, right)
-            for s, ppl, hits, right in [(1, 11.0, 4, 10), (2, 12.0, 3, 9), (3, 13.0, 4, 8)]]
-    runs += [_seed_run(tmp_path, f"c{s}", "coca-slack", "B", s, ppl, hits, right)
-             for s, ppl, hits, right in [(1, 15.0, 1, 2), (2, 16.0, 0, 3), (3, 17.0, 1, 1)]]
+    """5 seeds each, the two designs fully separated on every metric: the exact permutation p of 5
+    vs 5 is then 2 / C(10, 5) = 2 / 252 (the observed labelling and its mirror)."""
+    origin = [(11.0, 4, 10), (12.0, 3, 9), (13.0, 4, 8), (14.0, 4, 10), (15.0, 4, 9)]
+    coca = [(16.0, 1, 2), (17.0, 0, 3), (18.0, 1, 1), (19.0, 1, 2), (20.0, 0, 3)]
+    runs = [_seed_run(tmp_path, f"origin_s{s}", "origin", "A", s, *v) for s, v in enumerate(origin, 1)]
+    runs += [_seed_run(tmp_path, f"coca_s{s}", "coca-slack", "B", s, *v) for s, v in enumerate(coca, 1)]
+    family = tmp_path / "family.yaml"
+    family.write_text(FAMILY)
     out = tmp_path / "report"
-    assert report.main([str(r) for r in runs] + ["--out", str(out)]) == 0
+    assert report.main([str(r) for r in runs] + ["--out", str(out), "--family", str(family)]) == 0
 
     summary = {(r["metric"], r["label"], int(r["length"])): r for r in _csv(out / "seeds_summary.csv")}
-    # origin ppl ratio at 2x: 1.1, 1.2, 1.3 -> mean 1.2, sd 0.1
-    cell = summary[("ppl_ratio", "origin", 128)]
-    assert float(cell["mean"]) == pytest.approx(1.2) and int(cell["n"]) == 3
-    assert float(cell["ci95"]) == pytest.approx(T_975_DF2 * 0.1 / math.sqrt(3), rel=1e-9)
-    # passkey: 4/4, 3/4, 4/4 -> mean 11/12; recall: 10/10, 9/10, 8/10 -> 0.9, sd 0.1
-    assert float(summary[("passkey", "origin", 64)]["mean"]) == pytest.approx(11 / 12)
-    assert float(summary[("recall", "origin", 64)]["mean"]) == pytest.approx(0.9)
-    assert float(summary[("recall", "origin", 64)]["ci95"]) == pytest.approx(T_975_DF2 * 0.1 / math.sqrt(3), rel=1e-9)
+    # origin ppl ratio at 2x: 1.1 .. 1.5 -> mean 1.3, sample sd sqrt(0.1 / 4) = 0.158
+    cell = summary[("ppl_ratio", "origin", 128)]  # designs named by folder without _s<seed>
+    assert float(cell["mean"]) == pytest.approx(1.3) and int(cell["n"]) == 5
+    assert float(cell["sd"]) == pytest.approx(math.sqrt(0.1 / 4))
+    assert 1.1 <= float(cell["low"]) < 1.3 < float(cell["high"]) <= 1.5  # a bootstrap mean of these seeds
+    # passkey: 4/4, 3/4, 4/4, 4/4, 4/4 -> mean 0.95; recall 1, .9, .8, 1, .9 -> 0.92
+    passkey = summary[("passkey", "origin", 64)]
+    assert float(passkey["mean"]) == pytest.approx(0.95) and float(passkey["high"]) <= 1.0
+    assert float(summary[("recall", "origin", 64)]["mean"]) == pytest.approx(0.92)
     assert float(summary[("ppl_ratio", "origin", 64)]["mean"]) == 1.0
 
+    family_rows = _csv(out / "seeds_family.csv")
+    assert len(family_rows) == 1 and (family_rows[0]["a"], family_rows[0]["b"]) == ("coca", "origin")
+    # coca 0.25, 0, .25, .25, 0 -> 0.15; effect 0.15 - 0.95; Holm over a family of one leaves p
+    assert float(family_rows[0]["diff"]) == pytest.approx(-0.8)
+    assert float(family_rows[0]["p"]) == pytest.approx(2 / 252) == float(family_rows[0]["p_holm"])
+    assert family_rows[0]["significant"] == "True"
+
     tests = {(r["metric"], int(r["length"])): r for r in _csv(out / "seeds_significance.csv")}
-    # 1.1, 1.2, 1.3 vs 1.5, 1.6, 1.7: t = -0.4 / sqrt(2 * 0.01 / 3) = -4.899 at 4 df: two-sided p 0.0080499
-    ppl_test = tests[("ppl_ratio", 128)]
-    assert {ppl_test["a"], ppl_test["b"]} == {"origin", "coca-slack"}
-    assert float(ppl_test["p"]) == pytest.approx(0.0080499, abs=2e-6) and ppl_test["significant"] == "True"
-    assert tests[("recall", 64)]["significant"] == "True"
+    assert ("passkey", 64) not in tests  # the family's cell is not repeated as exploratory
+    ppl_test = tests[("ppl_ratio", 128)]  # replaces the Welch p: the exact permutation p
+    assert {ppl_test["a"], ppl_test["b"]} == {"origin", "coca"}
+    assert float(ppl_test["p"]) == pytest.approx(2 / 252) and ppl_test["significant"] == "True"
+    assert float(tests[("recall", 64)]["p"]) == pytest.approx(2 / 252)
 
     values = _csv(out / "seeds_values.csv")
-    assert {v["seed"] for v in values} == {"1", "2", "3"} and len({v["run"] for v in values}) == 6
+    assert {v["seed"] for v in values} == {"1", "2", "3", "4", "5"} and len({v["run"] for v in values}) == 10
     md = (out / "seeds_report.md").read_text()
-    assert "| origin | 1 ± 0 | 1.2 ± 0.25 |" in md  # ppl ratio table: 1x, 2x
-    assert "- 128: origin beats coca-slack (p=0.008)" in md  # lower perplexity ratio is better
-    assert "- 64: origin beats coca-slack (p=0.0031)" in md  # passkey: higher accuracy is better
-    assert "coca-slack beats" not in md
+    assert md.index("## Pre-registered comparisons") < md.index("## Exploratory")
+    assert "| coca | origin | none | 64 | 5 | 5 | 0.15 | 0.95 | -0.800 [" in md
+    assert "- 128: origin beats coca (-0.500 [" in md  # lower perplexity ratio is better
+    assert "| 0.007937 | 0.007937 | yes |" in md
+    assert "coca beats" not in md
+    assert "| origin | 1 | 5 | 3 ± 1.6 |" in md  # attention max score 1 .. 5: sample SD 1.58
     for metric in aggregate.METRICS:
         assert (out / f"seeds_{metric}.png").stat().st_size > 0
+
+
+def test_report_with_a_bad_family_file_exits_1(tmp_path):
+    runs = [_seed_run(tmp_path, f"origin_s{s}", "origin", "A", s, 11.0, 4, 10) for s in (1, 2)]
+    bad = tmp_path / "family.yaml"
+    bad.write_text(FAMILY.replace("adjust: holm", "adjust: bonferroni"))
+    assert report.main([str(r) for r in runs] + ["--out", str(tmp_path / "r"), "--family", str(bad)]) == 1
 
 
 def test_report_without_replicates_writes_no_seed_tables(tmp_path):
@@ -146,20 +170,35 @@ def test_report_without_replicates_writes_no_seed_tables(tmp_path):
     assert (tmp_path / "r" / "compare_recall.csv").exists()
 
 
+def test_seed_groups_are_named_by_run_folder_without_the_seed_or_by_label():
+    meta = {"label": "coca-slack", "seed": 3}
+    assert report.design_name(Path("docs/results/coca_strict_s3"), meta) == "coca_strict"
+    assert report.design_name(Path("runs/c1"), meta) == "coca-slack"
+    assert report.design_name(Path("runs/coca_s2"), meta) == "coca-slack"  # suffix is not its seed
+
+
 def test_significance_compares_a_scaling_with_every_setup_as_trained():
     """Same-scaling pairs as before, plus each setup with a scaling against every setup as trained
     (here Origin + dynamic:8 vs CoCA as trained and vs Origin itself); never two different scalings."""
-    rows = [{"group": g, "seed": s, "run": f"{g}{s}", "metric": "passkey", "scaling": sc, "length": 512, "value": v}
-            for g, sc, values in [("origin", "none", [0.0, 0.1, 0.2]), ("origin", "dynamic:8", [1.0, 0.9, 0.8]),
-                                  ("coca", "none", [0.5, 0.6, 0.7]), ("coca", "dynamic:4", [0.9, 1.0, 1.0])]
-            for s, v in enumerate(values, 1)]
-    pairs = {(t["a"], t["scaling"], t["b"], t["scaling_b"]): t for t in aggregate.significance(rows)}
+    setups = {("origin", "none"): [0.0, 0.1, 0.2], ("origin", "dynamic:8"): [1.0, 0.9, 0.8],
+              ("coca", "none"): [0.5, 0.6, 0.7], ("coca", "dynamic:4"): [0.9, 1.0, 1.0]}
+    cells = {("passkey", 512): {k: [np.array([v]) for v in values] for k, values in setups.items()}}
+    tests = aggregate.significance(cells, aggregate.Bootstraps(cells, 1000))
+    pairs = {(t["a"], t["scaling"], t["b"], t["scaling_b"]): t for t in tests}
     assert set(pairs) == {("origin", "none", "coca", "none"), ("origin", "dynamic:8", "origin", "none"),
                           ("origin", "dynamic:8", "coca", "none"), ("coca", "dynamic:4", "origin", "none"),
                           ("coca", "dynamic:4", "coca", "none")}
-    # 1.0, 0.9, 0.8 vs 0.5, 0.6, 0.7: the Welch test of the two cells (checked by hand above)
+    # 1.0, 0.9, 0.8 vs 0.5, 0.6, 0.7: fully separated, 3 vs 3: p = 2 / 20 (the smallest possible)
     cross = pairs[("origin", "dynamic:8", "coca", "none")]
-    assert cross["p"] == pytest.approx(aggregate.welch_p([1.0, 0.9, 0.8], [0.5, 0.6, 0.7]))
-    assert cross["diff"] == pytest.approx(0.3) and cross["significant"]
-    assert "- 512: origin + dynamic:8 beats coca as trained" in "\n".join(
+    assert cross["p"] == pytest.approx(0.1) and cross["diff"] == pytest.approx(0.3)
+    assert not cross["significant"]
+    assert "- 512: origin + dynamic:8 beats coca as trained (+0.300 [" in "\n".join(
         report._orderings([cross], [512], lower_is_better=False))
+
+
+def test_attention_summary_uses_the_sample_sd():
+    rows = [{"scaling": "none", "layer": 1, "max_score": v, "std_score": 0.0, "max_zscore": 0.0, "local_mass": 0.0}
+            for v in (1.0, 2.0, 3.0)]
+    runs = [("origin", {"attention": {"rows": [row]}}) for row in rows]
+    (row,) = aggregate.attention_summary(runs)
+    assert row["max_score"] == 2.0 and row["max_score_sd"] == pytest.approx(1.0)  # population SD: 0.816

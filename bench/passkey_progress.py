@@ -1,9 +1,11 @@
 """How far checkpoints are from retrieving the passkey: finer than the all-or-nothing passkey score.
 
-For held-out passkey cases at one length (the evaluation's prompts and keys), prints per
-checkpoint the mean log-probability the model gives each key token under teacher forcing
-(uniform over the 10 digits: -2.30), the fraction of key tokens that are the argmax, and the
-passkey accuracy (every key token right). Used to size the CPU study (docs/RESULTS.md).
+For held-out passkey cases at one length, prints per checkpoint the mean log-probability the model
+gives each key token under teacher forcing (uniform over the 10 digits: -2.30), the fraction of key
+tokens that are the argmax, and the passkey accuracy (every key token right). The study's training
+bar (docs/RESULTS.md: the steps each run took to it) is read from this table, so its cases come from
+the `bar` stream of `data.tasks`, seeded by the run's own seed: other generators and other keys than
+the final evaluation's (`python -m eval`, stream `eval`), never a key or a (key, depth) pair of it.
 
     python -m bench.passkey_progress runs/a/checkpoints/step_* runs/b --length 256 --cases 30
 """
@@ -16,19 +18,26 @@ from pathlib import Path
 
 import torch
 
-from data.tasks import make_cases
+from data.tasks import PasskeyCase, make_cases
+from eval.passkey import answer_logits
 from train.checkpoint import CheckpointError
 from train.export import load_model
 
 
+def bar_cases(tokenizer, length: int, n_cases: int, seed: int) -> list[PasskeyCase]:
+    """The bar's cases for a run of training seed `seed` (the EOS prefix of every training document)."""
+    return make_cases(tokenizer, length, n_cases, seed, prefix=[tokenizer.eos_id], stream="bar")
+
+
 @torch.inference_mode()
-def progress(path: str, length: int, n_cases: int, seed: int) -> dict:
-    model, _, tok = load_model(path)
-    cases = make_cases(tok, length, n_cases, seed, prefix=[tok.eos_id])
+def progress(path: str, length: int, n_cases: int, seed: int | None, batch_tokens: int = 16384) -> dict:
+    """Key-token log-prob, key-token accuracy and passkey accuracy of one checkpoint; `seed` None:
+    the run's training seed."""
+    model, train_cfg, tok = load_model(path)
+    cases = bar_cases(tok, length, n_cases, train_cfg.seed if seed is None else seed)
     logp = right = whole = count = 0.0
-    for case in cases:
-        idx = torch.tensor([case.tokens[:-1]])
-        lp = torch.log_softmax(model(idx, logits_to_keep=len(case.answer))[0].float(), dim=-1)
+    for case, logits in zip(cases, answer_logits(model, cases, batch_tokens)):
+        lp = torch.log_softmax(logits.float(), dim=-1)
         target = torch.tensor(case.answer)
         hits = lp.argmax(dim=-1) == target
         whole += float(hits.all())
@@ -44,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoints", nargs="+", help="run or checkpoint directories")
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--cases", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="prompt seed (default: the run's training seed)")
     args = parser.parse_args(argv)
     print(f"| checkpoint | key-token log-prob | key-token accuracy | passkey ({args.cases} cases at {args.length}) |")
     print("|---|---|---|---|")
@@ -54,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         except (CheckpointError, ValueError) as e:
             print(f"error: {path}: {e}", file=sys.stderr)
             return 2
-        print(f"| {Path(path).parent.parent.name}/{Path(path).name} | {r['logp']:.2f} | {r['token_acc']:.2f} | {r['passkey']:.2f} |")
+        name = f"{Path(path).parent.parent.name}/{Path(path).name}"
+        print(f"| {name} | {r['logp']:.2f} | {r['token_acc']:.2f} | {r['passkey']:.2f} |")
     return 0
 
 

@@ -10,6 +10,13 @@
 Keys are split in two by a hash: one in `HELD_OUT` keys is reserved for evaluation, the rest for
 training. The split is structural (no digit or piece pattern tells them apart), so a trained
 model is always evaluated on keys it has never seen.
+
+Evaluation cases come from one of three streams (`CASE_STREAMS`), all of evaluation keys only:
+`fixed` depends on (seed, length) alone (the evaluation's seed: every run saw the same prompts);
+`eval` is a run's own final evaluation, seeded by the run's seed; `bar` feeds the training bar
+(`bench.passkey_progress`) from other generators and from the half of the held-out passkeys that
+`eval` never draws (`bar_key`), so the bar never shares a key with the final evaluation.
+Training rows (`data.synthetic`) use none of these streams.
 """
 
 from __future__ import annotations
@@ -148,6 +155,39 @@ def draw_passkey(rng: random.Random, evaluation: bool) -> str:
             return key
 
 
+# ----------------------------------------------------------------------------- evaluation streams
+
+CASE_STREAMS = ("fixed", "eval", "bar")
+_FIXED_OFFSET = {"passkey": 0, "recall": 7_777_777}  # the `fixed` stream's generators, as first published
+
+
+def bar_key(key: str) -> bool:
+    """Whether a held-out passkey belongs to the training bar's stream (one held-out key in two, by a
+    second hash byte): `eval` cases never use these keys, `bar` cases use only these."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return digest[0] % HELD_OUT == 0 and digest[1] % 2 == 1
+
+
+def case_rng(task: str, stream: str, seed: int, length: int) -> random.Random:
+    """The generator of one evaluation stream at one length (independent across lengths, so adding
+    lengths leaves the other cases alone)."""
+    if stream not in CASE_STREAMS:
+        raise ValueError(f"case stream {stream!r} is not one of {', '.join(CASE_STREAMS)}")
+    if stream == "fixed":
+        return random.Random(seed * 1_000_003 + length + _FIXED_OFFSET[task])
+    return random.Random(f"{task}/{stream}/{seed}/{length}")  # str seeds hash with SHA-512: stable
+
+
+def draw_stream_passkey(rng: random.Random, stream: str) -> str:
+    """A key for an evaluation stream: any held-out key (`fixed`), or the stream's half of them."""
+    if stream == "fixed":
+        return draw_passkey(rng, evaluation=True)
+    while True:
+        key = str(rng.randint(10000, 99999))
+        if held_out(key) and bar_key(key) == (stream == "bar"):
+            return key
+
+
 def make_cases(
     tokenizer: TextTokenizer,
     length: int,
@@ -155,17 +195,18 @@ def make_cases(
     seed: int,
     depths: Sequence[float] = (),
     prefix: Sequence[int] = (),
+    stream: str = "fixed",
 ) -> list[PasskeyCase]:
     """`n_cases` seeded evaluation cases at `length`: random depths, or `n_cases` per depth of a sweep.
 
-    The random stream depends only on (seed, length), so adding lengths leaves other cases alone;
-    keys are evaluation keys (`held_out`), never seen in training.
+    The cases depend only on (stream, seed, length); keys are evaluation keys (`held_out`), never
+    seen in training.
     """
-    rng = random.Random(seed * 1_000_003 + length)
+    rng = case_rng("passkey", stream, seed, length)
     plan = [d for d in depths for _ in range(n_cases)] if depths else [None] * n_cases
     cases = []
     for d in plan:
-        key = draw_passkey(rng, evaluation=True)
+        key = draw_stream_passkey(rng, stream)
         depth = rng.random() if d is None else float(d)
         cases.append(build_case(tokenizer, length, depth, key, prefix))
     return cases
@@ -270,9 +311,18 @@ def build_recall(
 
 
 def make_recall_cases(
-    tokenizer: TextTokenizer, length: int, n_cases: int, n_queries: int, seed: int, prefix: Sequence[int] = ()
+    tokenizer: TextTokenizer,
+    length: int,
+    n_cases: int,
+    n_queries: int,
+    seed: int,
+    prefix: Sequence[int] = (),
+    stream: str = "fixed",
 ) -> list[RecallCase]:
-    """`n_cases` seeded evaluation cases at `length` (evaluation keys only); depends on (seed, length)."""
+    """`n_cases` seeded evaluation cases at `length` (evaluation keys only); depends on (stream, seed,
+    length). Recall has no training bar: `bar` is not one of its streams."""
+    if stream == "bar":
+        raise ValueError("recall cases have streams fixed and eval (the training bar is passkey only)")
     vocab = recall_vocab(tokenizer)
-    rng = random.Random(seed * 1_000_003 + length + 7_777_777)
+    rng = case_rng("recall", stream, seed, length)
     return [build_recall(vocab, length, n_queries, rng, evaluation=True, prefix=prefix) for _ in range(n_cases)]

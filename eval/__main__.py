@@ -43,7 +43,7 @@ from eval.wandb_log import log_to_wandb
 from model import GPT
 from train.checkpoint import CheckpointError, find_checkpoint
 from train.config import CONF_DIR, TrainConfig, one_line
-from train.export import load_model
+from train.export import check_device, load_model
 
 
 class EvalError(Exception):
@@ -97,18 +97,6 @@ class Session:
         return applicable(requested, self.train_cfg.model.attention)
 
 
-def check_device(device: str) -> None:
-    """A CUDA device that this machine has (else one line, before anything loads)."""
-    if not device.startswith("cuda"):
-        return
-    if not torch.cuda.is_available():
-        raise EvalError(f"device={device!r} but this machine has no CUDA device (torch.cuda.is_available() "
-                        "is False); use device=cpu")
-    index = device.partition(":")[2]
-    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-        raise EvalError(f"device={device!r}: this machine has CUDA devices 0..{torch.cuda.device_count() - 1}")
-
-
 def check_sources_listed(cfg: EvalConfig) -> None:
     """Explicit local sources exist and hold text files (documents are read after the model loads)."""
     for src in cfg.sources:
@@ -132,6 +120,7 @@ def open_session(cfg: EvalConfig) -> Session:
     data = dataclasses.replace(train_cfg.data, sources=list(cfg.sources) or train_cfg.data.sources)
     whole = bool(cfg.sources) and any(by_document(s) for s in data.sources)
     trained = Scaling(m.rope_scaling.type, m.rope_scaling.factor)
+    stream, prompt_seed = cfg.prompt_stream(train_cfg.seed)
     meta = {
         "run": str(run),
         "label": m.attention if m.attention != "coca" else f"coca-{m.coca_form}",
@@ -142,6 +131,8 @@ def open_session(cfg: EvalConfig) -> Session:
         "n_embd": m.n_embd,
         "trained_scaling": trained.label,
         "seed": train_cfg.seed,
+        "prompt_stream": stream,
+        "prompt_seed": prompt_seed,
         "config_id": config_id(train_cfg),
         "checkpoint": str(ckpt),
         "step": _step_of(ckpt),
@@ -182,8 +173,8 @@ def run_passkey(s: Session) -> dict:
     c = s.cfg.passkey
     scalings, notes = s.scalings()
     cases, skipped = prompt_cases("passkey", c.lengths, s, lambda n: make_cases(
-        s.tokenizer, n, c.n_cases, s.cfg.seed, c.depths, s.prefix))
-    records = sweep_passkey(s.model, cases, c.modes, scalings, s.trained, s.cfg.progress)
+        s.tokenizer, n, c.n_cases, s.meta["prompt_seed"], c.depths, s.prefix, s.meta["prompt_stream"]))
+    records = sweep_passkey(s.model, cases, c.modes, scalings, s.trained, s.cfg.progress, c.batch_tokens)
     return {"cases": records, "modes": list(c.modes), "notes": notes + skipped}
 
 
@@ -198,8 +189,8 @@ def run_recall(s: Session) -> dict | None:
         print(f"recall skipped: {e}", file=sys.stderr)
         return None
     cases, skipped = prompt_cases("recall", c.lengths, s, lambda n: make_recall_cases(
-        s.tokenizer, n, c.n_cases, c.queries, s.cfg.seed, s.prefix))
-    records = sweep_recall(s.model, cases, scalings, s.trained, s.cfg.progress)
+        s.tokenizer, n, c.n_cases, c.queries, s.meta["prompt_seed"], s.prefix, s.meta["prompt_stream"]))
+    records = sweep_recall(s.model, cases, scalings, s.trained, s.cfg.progress, c.batch_tokens)
     return {"cases": records, "queries": c.queries, "notes": notes + skipped}
 
 

@@ -16,6 +16,7 @@ TASKS = ("ppl", "passkey", "recall", "attention")
 TASK_CHOICES = TASKS + ("all",)
 PASSKEY_MODES = ("teacher", "generate")
 WANDB_MODES = ("auto", "offline", "online", "disabled")
+PROMPT_SEEDS = ("run", "fixed")  # or a non-negative integer
 
 
 @dataclass(frozen=True)
@@ -99,17 +100,20 @@ class PasskeyConfig:
     n_cases: cases per length (per depth when `depths` is set); the paper uses 100.
     depths: a depth sweep (fractions of the filler before the key); empty: a random depth per case.
     modes: teacher (one forward, argmax over the key tokens) and/or generate (greedy decoding).
+    batch_tokens: teacher-forced cases of equal token count share a forward, up to this many tokens.
     """
 
     lengths: list[int] = field(default_factory=list)
     n_cases: int = 20
     depths: list[float] = field(default_factory=list)
     modes: list[str] = field(default_factory=lambda: ["teacher"])
+    batch_tokens: int = 16384
 
     def __post_init__(self) -> None:
         _positive_list("passkey.lengths", self.lengths)
-        if self.n_cases < 1:
-            raise ValueError(f"passkey.n_cases={self.n_cases} must be >= 1")
+        if self.n_cases < 1 or self.batch_tokens < 1:
+            raise ValueError(f"passkey.n_cases={self.n_cases} and passkey.batch_tokens={self.batch_tokens} "
+                             "must be >= 1")
         bad = [d for d in self.depths if not 0.0 <= d <= 1.0]
         if bad:
             raise ValueError(f"passkey.depths: {bad[0]} is not in [0, 1]")
@@ -126,16 +130,19 @@ class RecallConfig:
 
     lengths: prompt tokens (pairs fill them); empty: 1x .. 64x the training length.
     n_cases: cases per length; queries: queried pairs per case (accuracy counts each query).
+    batch_tokens: cases of equal token count share a forward, up to this many tokens.
     """
 
     lengths: list[int] = field(default_factory=list)
     n_cases: int = 20
     queries: int = 8
+    batch_tokens: int = 16384
 
     def __post_init__(self) -> None:
         _positive_list("recall.lengths", self.lengths)
-        if self.n_cases < 1 or self.queries < 1:
-            raise ValueError(f"recall.n_cases={self.n_cases} and recall.queries={self.queries} must be >= 1")
+        if min(self.n_cases, self.queries, self.batch_tokens) < 1:
+            raise ValueError(f"recall.n_cases={self.n_cases}, recall.queries={self.queries} and "
+                             f"recall.batch_tokens={self.batch_tokens} must be >= 1")
 
 
 @dataclass
@@ -194,6 +201,11 @@ class EvalConfig:
       Explicit `files` sources without `{split}` are read whole, whatever `split` (the file given
       is the corpus); `{split}` paths, stdlib and hub sources read `split`.
     device: cpu, cuda or cuda:N (checked before the model loads).
+    seed: orders the evaluation documents (the same for every run), and seeds the `fixed` prompts.
+    prompt_seed: the passkey and recall prompts: `run` (default) draws them from the run's own
+      stream, seeded by its training `seed`, so replicates see different prompts; an integer N
+      draws the stream a run of seed N gets; `fixed` gives the prompts every run shared before
+      (seeded by `seed` alone; the first study's published cases).
     out_dir: where results go; null: <run>/eval.
     """
 
@@ -201,6 +213,7 @@ class EvalConfig:
     task: str = "all"
     device: str = "cpu"
     seed: int = 0
+    prompt_seed: str = "run"
     model: EvalModelConfig = field(default_factory=EvalModelConfig)
     scalings: list[str] = field(default_factory=list)
     sources: list[SourceConfig] = field(default_factory=list)
@@ -221,10 +234,18 @@ class EvalConfig:
         check_split(self.split)
         for s in self.scalings:
             Scaling.parse(s)
+        if self.prompt_seed not in PROMPT_SEEDS and not self.prompt_seed.isdigit():
+            raise ValueError(f"prompt_seed={self.prompt_seed!r} is not run, fixed or a non-negative integer")
 
     @property
     def tasks(self) -> tuple[str, ...]:
         return TASKS if self.task == "all" else (self.task,)
+
+    def prompt_stream(self, run_seed: int) -> tuple[str, int]:
+        """The case stream (`data.tasks.CASE_STREAMS`) and its seed, for a run trained with `run_seed`."""
+        if self.prompt_seed == "fixed":
+            return "fixed", self.seed
+        return "eval", run_seed if self.prompt_seed == "run" else int(self.prompt_seed)
 
 
 def _positive_list(name: str, values: list[int]) -> None:

@@ -4,11 +4,17 @@ The prompts are built by `data.tasks` (shared with the training rows of `data.sy
 Two scorers: `teacher_forced` takes the argmax at every answer position in one forward pass, which
 equals greedy decoding (greedy never leaves the key while it is right, and is wrong from the first
 miss on either way); `generated` really decodes greedily with the model's KV cache, to cross-check.
+
+Teacher forcing is batched: cases of the same token count share a forward (`equal_length_batches`).
+No row is padded, so each row is computed exactly as alone: causal attention, and dynamic NTK,
+whose RoPE base follows the number of tokens processed, see the same length in a batch as alone.
+(The prompts of one length have one token count when keys always tokenize alike, as with the
+study's digit groups; otherwise a length gives a few batches.)
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 from tqdm import tqdm
@@ -30,13 +36,43 @@ def _device(model: PasskeyModel) -> torch.device:
     return next(model.parameters()).device
 
 
+def equal_length_batches(lengths: Sequence[int], batch_tokens: int) -> Iterator[list[int]]:
+    """Indices of rows grouped by length, each group at most max(1, batch_tokens // length) rows,
+    in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    for n, members in groups.items():
+        size = max(1, batch_tokens // n)
+        for start in range(0, len(members), size):
+            yield members[start : start + size]
+
+
 @torch.inference_mode()
+def tail_logits(model: PasskeyModel, rows: Sequence[Sequence[int]], keep: int) -> torch.Tensor:
+    """Logits [B, keep, V] of the last `keep` positions of equal-length id rows, in one forward
+    (the LM head runs on those positions only)."""
+    return model(torch.tensor([list(r) for r in rows], device=_device(model)), logits_to_keep=keep)
+
+
+def answer_logits(
+    model: PasskeyModel, cases: Sequence[PasskeyCase], batch_tokens: int, progress: bool = False
+) -> list[torch.Tensor]:
+    """Per case, the logits [len(answer), V] at its answer positions given the true prefix."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(cases)
+    batches = list(equal_length_batches([len(c.tokens) - 1 for c in cases], batch_tokens))
+    desc = f"passkey L={cases[0].length}" if cases else "passkey"
+    for batch in tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False):
+        keep = max(len(cases[i].answer) for i in batch)
+        logits = tail_logits(model, [cases[i].tokens[:-1] for i in batch], keep)
+        for row, i in enumerate(batch):
+            out[i] = logits[row, keep - len(cases[i].answer) :]
+    return out
+
+
 def teacher_forced(model: PasskeyModel, case: PasskeyCase) -> list[int]:
-    """Argmax at each answer position given the true prefix (one forward pass; the LM head runs
-    on the answer positions only, so no [T, V] logits)."""
-    idx = torch.tensor([case.tokens[:-1]], device=_device(model))
-    logits = model(idx, logits_to_keep=len(case.answer))
-    return logits[0].argmax(dim=-1).tolist()
+    """Argmax at each answer position given the true prefix (one forward pass)."""
+    return answer_logits(model, [case], batch_tokens=1)[0].argmax(dim=-1).tolist()
 
 
 @torch.inference_mode()
@@ -48,23 +84,32 @@ def generated(model: PasskeyModel, case: PasskeyCase) -> list[int]:
     return out[0, -n:].tolist()
 
 
-SCORERS = {"teacher": teacher_forced, "generate": generated}
+MODES = ("teacher", "generate")
 
 
 def score_cases(
-    model: PasskeyModel, cases: Sequence[PasskeyCase], modes: Sequence[str] = ("teacher",), progress: bool = True
+    model: PasskeyModel, cases: Sequence[PasskeyCase], modes: Sequence[str] = ("teacher",),
+    progress: bool = True, batch_tokens: int = 16384,
 ) -> list[dict]:
-    """Per-case records: the key, depth, and for each mode the predicted tokens and correctness."""
-    unknown = [m for m in modes if m not in SCORERS]
+    """Per-case records: the key, depth, and for each mode the predicted tokens and correctness.
+    Teacher forcing runs in batches of up to `batch_tokens` tokens; generation one case at a time."""
+    unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise ValueError(f"passkey mode {unknown[0]!r} is not one of {', '.join(SCORERS)}")
+        raise ValueError(f"passkey mode {unknown[0]!r} is not one of {', '.join(MODES)}")
+    desc = f"passkey L={cases[0].length}" if cases else "passkey"
+    predicted: dict[str, list[list[int]]] = {}
+    if "teacher" in modes:
+        logits = answer_logits(model, cases, batch_tokens, progress)
+        predicted["teacher"] = [x.argmax(dim=-1).tolist() for x in logits]
+    if "generate" in modes:
+        predicted["generate"] = [generated(model, c) for c in tqdm(cases, desc=desc, disable=not progress,
+                                                                   leave=False)]
     records = []
-    for case in tqdm(cases, desc=f"passkey L={cases[0].length}" if cases else "passkey", disable=not progress, leave=False):
+    for i, case in enumerate(cases):
         record = {"length": case.length, "tokens": len(case.tokens), "depth": case.depth, "key": case.key}
         for mode in modes:
-            predicted = SCORERS[mode](model, case)
-            record[f"{mode}_pred"] = predicted
-            record[f"{mode}_correct"] = predicted == case.answer
+            record[f"{mode}_pred"] = predicted[mode][i]
+            record[f"{mode}_correct"] = predicted[mode][i] == case.answer
         records.append(record)
     return records
 

@@ -57,28 +57,29 @@ def sweep_ppl(
 
 def sweep_passkey(
     model, cases: Sequence[PasskeyCase], modes: Sequence[str], scalings: Sequence[Scaling], trained: Scaling,
-    progress: bool,
-) -> list[dict]:
-    records = []
-    for s in scalings:
-        with scaled(model, s, trained):
-            by_length: dict[int, list[PasskeyCase]] = {}
-            for c in cases:
-                by_length.setdefault(c.length, []).append(c)
-            for group in by_length.values():
-                records += [{"scaling": s.label, **r} for r in score_cases(model, group, modes, progress)]
-    return records
-
-
-def sweep_recall(
-    model, cases: Sequence[RecallCase], scalings: Sequence[Scaling], trained: Scaling, progress: bool,
+    progress: bool, batch_tokens: int,
 ) -> list[dict]:
     records = []
     for s in scalings:
         with scaled(model, s, trained):
             for length in dict.fromkeys(c.length for c in cases):
                 group = [c for c in cases if c.length == length]
-                records += [{"scaling": s.label, **r} for r in score_recall(model, group, progress)]
+                scored = score_cases(model, group, modes, progress, batch_tokens)
+                records += [{"scaling": s.label, **r} for r in scored]
+    return records
+
+
+def sweep_recall(
+    model, cases: Sequence[RecallCase], scalings: Sequence[Scaling], trained: Scaling, progress: bool,
+    batch_tokens: int,
+) -> list[dict]:
+    records = []
+    for s in scalings:
+        with scaled(model, s, trained):
+            for length in dict.fromkeys(c.length for c in cases):
+                group = [c for c in cases if c.length == length]
+                scored = score_recall(model, group, progress, batch_tokens)
+                records += [{"scaling": s.label, **r} for r in scored]
     return records
 
 

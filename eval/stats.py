@@ -78,21 +78,10 @@ def percentile_interval(replicates: np.ndarray, level: float = LEVEL) -> tuple[f
     """The percentile interval of bootstrap replicates: it stays inside the range the statistic can
     take (an accuracy interval inside [0, 1]), unlike mean +- t * SE on bounded values. With few
     seeds it is too narrow (3 seeds give 10 distinct seed draws); the report says how many seeds
-    each cell has."""
+    each cell has. For a difference a - b, pass a's replicates minus b's, each design resampled
+    with its own generator (independent trainings: `eval.aggregate.Bootstraps`)."""
     low, high = np.percentile(replicates, [50 * (1 - level), 50 * (1 + level)])
     return float(low), float(high)
-
-
-def cluster_bootstrap_interval(a: Seeds, b: Seeds, resamples: int, seed: int,
-                               level: float = LEVEL) -> tuple[float, float]:
-    """The 95% cluster-bootstrap interval of the difference of seed means (a - b).
-
-    The two designs are resampled independently (they are independent trainings); each as in
-    `bootstrap_means`. The generator is `numpy.random.default_rng(seed)`, so a report regenerates
-    to the same digits.
-    """
-    rng = np.random.default_rng(seed)
-    return percentile_interval(bootstrap_means(a, resamples, rng) - bootstrap_means(b, resamples, rng), level)
 
 
 @lru_cache(maxsize=32)

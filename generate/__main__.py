@@ -18,6 +18,7 @@ from pathlib import Path
 from generate import sample
 from train.checkpoint import CheckpointError
 from train.config import one_line
+from train.export import check_device
 from train.export_hf import ExportError, parse_scaling
 
 USAGE = """usage: python -m generate run=<run dir or checkpoint> [prompt="..."] [key=value ...]
@@ -49,7 +50,7 @@ class Options:
             raise GenerateError(f"run= is required\n{USAGE}")
         if self.max_new_tokens < 1:
             raise GenerateError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if not self.temperature > 0:
+        if not self.greedy and not self.temperature > 0:  # greedy takes the argmax: no temperature
             raise GenerateError(f"temperature={self.temperature} must be > 0 (greedy=true for argmax)")
         if self.top_k < 0:
             raise GenerateError(f"top_k={self.top_k} must be >= 0 (0: off)")
@@ -84,8 +85,8 @@ class Printer:
     """Writes decoded text as tokens arrive. Byte-fallback pieces of one character come one at a
     time, so text ending in an incomplete UTF-8 sequence (U+FFFD) is held back until it is whole."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout  # sys.stdout now, not at import
         self.ids: list[int] = []
         self.shown = 0
 
@@ -98,6 +99,16 @@ class Printer:
         self.out.write(text[self.shown:])
         self.out.flush()
         self.shown = len(text)
+
+
+def read_prompt(stream) -> str:
+    """The prompt from stdin; nothing (or only whitespace) there is an error, not a silent
+    generation from EOS alone (which `prompt=""` asks for explicitly)."""
+    text = stream.read()
+    if not text.strip():
+        raise GenerateError('no prompt: stdin was empty; give prompt="..." or pipe text in '
+                            '(prompt="" samples from EOS alone)')
+    return text
 
 
 def quiet_load(run: str, device: str):
@@ -121,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         scaling = None if opts.rope_scaling == "as_trained" else parse_scaling(opts.rope_scaling)
         if not Path(opts.run).exists():
             raise GenerateError(f"run or checkpoint not found: {opts.run}")
-        prompt = opts.prompt if opts.prompt is not None else sys.stdin.read()
+        check_device(opts.device)
+        prompt = opts.prompt if opts.prompt is not None else read_prompt(sys.stdin)
         model, tokenizer = quiet_load(opts.run, opts.device)
         if scaling is not None:
             model.set_rope_scaling(*scaling)

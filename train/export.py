@@ -3,6 +3,8 @@
 Weights are gathered to fp32 whatever the ZeRO stage or precision of the run: ZeRO 1-3 (and the
 bf16 optimizer) keep fp32 master partitions, merged with DeepSpeed's own `zero_to_fp32`; a
 ZeRO-0 fp32 run stores the full module. Every checkpoint carries its config and tokenizer.
+The loader of every command that reads a trained model (`eval`, `generate`, `train.export_hf`):
+so the device check and the messages for a corrupt checkpoint live here, written once.
 """
 
 from __future__ import annotations
@@ -13,10 +15,42 @@ import torch
 
 from data.tokenizer import Tokenizer
 from model import GPT
-from train.checkpoint import CheckpointError, find_checkpoint, saved_config
+from train.checkpoint import CheckpointError, complete_checkpoints, find_checkpoint, older_hint, saved_config, verify
 from train.config import ConfigError, TrainConfig, to_train_config
 
 TOKENIZER_FILE = "tokenizer.model"
+
+
+def check_device(device: str) -> None:
+    """A CUDA device that this machine has (else a one-line `ValueError`, before anything loads)."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this machine has no CUDA device (torch.cuda.is_available() "
+                         "is False); use device=cpu")
+    index = device.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise ValueError(f"device={device!r}: this machine has CUDA devices 0..{torch.cuda.device_count() - 1}")
+
+
+def sound_older(ckpt: Path) -> str:
+    """'; run=<path> loads step N, ...' naming the newest sound checkpoint of the run older than
+    `ckpt`, for the commands that read a model (train's own hint names `resume=`)."""
+    if ckpt.parent.name != "checkpoints":
+        return ""
+    for older in reversed([p for p in complete_checkpoints(ckpt.parent.parent) if p.name < ckpt.name]):
+        try:
+            verify(older)
+        except CheckpointError:
+            continue
+        return f"; run={older} loads step {int(older.name.removeprefix('step_'))}, the newest sound one before it"
+    return "; the run has no older sound checkpoint"
+
+
+def _reworded(error: CheckpointError, ckpt: Path) -> CheckpointError:
+    """A checkpoint error with `sound_older`'s `run=` hint, in place of the `resume=` one that
+    `train.checkpoint` gives its errors (for train)."""
+    return CheckpointError(str(error).removesuffix(older_hint(ckpt)) + sound_older(ckpt))
 
 
 def fp32_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -39,14 +73,25 @@ def checkpoint_config(ckpt: Path) -> TrainConfig:
         return to_train_config(saved_config(ckpt))
     except ConfigError as error:
         raise CheckpointError(f"checkpoint {ckpt}: its config.yaml does not fit this code ({error})") from None
+    except CheckpointError as error:
+        raise _reworded(error, ckpt) from None
 
 
 def load_model(path: str, device: str = "cpu") -> tuple[GPT, TrainConfig, Tokenizer]:
     """A run directory (its newest complete checkpoint) or a checkpoint directory, as an fp32
-    model in eval mode on `device`, with the run's config and tokenizer."""
+    model in eval mode on `device`, with the run's config and tokenizer. A damaged checkpoint
+    (a file missing or not at its written size) is refused first, naming the older sound one."""
     ckpt = find_checkpoint(path)
+    try:
+        verify(ckpt)
+    except CheckpointError as error:
+        raise _reworded(error, ckpt) from None
     cfg = checkpoint_config(ckpt)
+    try:
+        state = fp32_state_dict(ckpt)
+    except CheckpointError as error:
+        raise _reworded(error, ckpt) from None
     model = GPT(cfg.model)
-    model.load_state_dict(fp32_state_dict(ckpt))
+    model.load_state_dict(state)
     tokenizer = Tokenizer(ckpt / TOKENIZER_FILE)
     return model.to(device).eval(), cfg, tokenizer

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from data.sources import stdlib_files, stdlib_root
+from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 from model import GPT, ModelConfig
 from train.export import load_model
-from train.export_hf import export_hf, main as export_main
+from train.export_hf import ExportError, export_hf, main as export_main
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -80,6 +82,52 @@ def test_tokenizer_gives_our_ids_byte_fallback_included(tokenizer, tmp_path):
     assert (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id) == (tokenizer.eos_id, tokenizer.eos_id, tokenizer.pad_id)
     # The one documented difference: a literal U+2581 is the space piece for HF, its 3 bytes for us.
     assert hf.encode("a\u2581b") == tokenizer.encode("a b") != tokenizer.encode("a\u2581b")
+
+
+def _stdlib_sample(n_files: int = 300) -> list[str]:
+    """Every k-th file of the sorted standard library (a fixed, spread-out sample), as text."""
+    files = stdlib_files()
+    return [(stdlib_root() / f).read_bytes().decode("utf-8", errors="replace") for f in files[:: len(files) // n_files]]
+
+
+@pytest.mark.parametrize("digit_group", [1, 2, 3])
+def test_exported_tokenizer_encodes_like_ours_for_every_digit_group(digit_group, tmp_path):
+    """The standard library and the evaluation's own passkey and recall prompts give the same ids
+    through `AutoTokenizer` as through ours; with digit groups, numbers are cut into the same pieces."""
+    from transformers import AutoTokenizer
+
+    cache = tmp_path / "cache"
+    tok = get_tokenizer(config_from_overrides([f"cache_dir={cache}", "tokenizer.sample_docs=200",
+                                               f"tokenizer.digit_group={digit_group}"], 4096))
+    export_hf(random_model(tok, "origin"), tok, tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    number = tok.encode("12345 007")
+    assert [tok.piece(i) for i in number] == {1: list("12345") + ["\u2581"] + list("007"),
+                                              2: ["12", "34", "5", "\u2581", "00", "7"],
+                                              3: ["123", "45", "\u2581", "007"]}[digit_group]
+    passkeys = [c.tokens for n in (128, 512, 2048) for c in make_cases(tok, n, 10, seed=0)]
+    recalls = [c.tokens for n in (128, 512, 2048) for c in make_recall_cases(tok, n, 5, 4, seed=0)]
+    prompts = [tok.decode(ids) for ids in passkeys + recalls]
+    assert [tok.encode(p) for p in prompts[: len(passkeys)]] == passkeys  # the prompts as the evaluation sees them
+    for text in _stdlib_sample() + prompts + [SAMPLE]:
+        assert hf(text)["input_ids"] == tok.encode(text)
+    assert hf.decode(number) == "12345 007"
+
+
+def test_tokenizer_that_tokenizer_json_cannot_express_is_refused(tokenizer, tmp_path):
+    """A SentencePiece model with a dummy prefix (say a `data.tokenizer.model_path` of another
+    origin) would encode differently as exported: refused in one line, nothing written."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(tokenizer.path).read_bytes())
+    proto.normalizer_spec.add_dummy_prefix = True
+    (tmp_path / "prefix.model").write_bytes(proto.SerializeToString())
+    other = Tokenizer(tmp_path / "prefix.model")
+    assert other.encode("a") != tokenizer.encode("a")  # it does encode differently
+    with pytest.raises(ExportError, match="add_dummy_prefix=true"):
+        export_hf(random_model(other, "origin"), other, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefix.model"]
 
 
 @pytest.mark.parametrize("design", list(DESIGNS))
@@ -189,8 +237,8 @@ def zero3(tmp_path_factory) -> tuple[Path, Path]:
 def test_zero3_export_loads_without_this_project(zero3, tmp_path):
     run, out = zero3
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "modeling_coca_lm.py", "tokenizer.json",
-        "tokenizer_config.json"]
+        "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors", "modeling_coca_lm.py",
+        "tokenizer.json", "tokenizer_config.json"]
     source = Path(json.__file__).with_name("decoder.py")  # any long text: the stdlib's own
     result = tmp_path / "hf.pt"
     _ok(subprocess.run([sys.executable, "-I", "-c", LOADER, str(REPO), str(out), str(result), str(source)],

@@ -51,7 +51,9 @@ def data_config(overrides: list[str]) -> DataConfig:
 
 def exit_code(error: BaseException) -> int | None:
     """RUNTIME for unusable inputs, USAGE for other expected errors, None for a bug (re-raise)."""
-    if isinstance(error, DataError):
+    import pyarrow as pa
+
+    if isinstance(error, (DataError, pa.ArrowInvalid)):  # ArrowInvalid: `datasets` could not parse a file
         return RUNTIME
     if isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
                           OmegaConfBaseException)):

@@ -26,10 +26,12 @@ one (NUL bytes, or mostly invalid UTF-8, in its first 8 KiB) is refused, naming 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
 import json
+import logging
 import os
 import sys
 import sysconfig
@@ -39,6 +41,7 @@ from typing import Iterator, Optional
 
 import datasets
 import numpy as np
+import pyarrow as pa
 
 from data.config import DataConfig, DataError, SourceConfig, check_split
 
@@ -157,6 +160,13 @@ def _check_formats(src: SourceConfig, files: list[str]) -> None:
         )
 
 
+def _example_glob(directory: str) -> str:
+    """A glob of the corpus files in `directory`: its most common readable extension (else .jsonl)."""
+    exts = [Path(f).suffix for f in os.listdir(directory) if Path(f).suffix in FILE_BUILDERS]
+    ext = max(sorted(set(exts)), key=exts.count) if exts else ".jsonl"
+    return os.path.join(directory, f"*{ext}")
+
+
 def _match_files(src: SourceConfig, split: Optional[str]) -> list[str]:
     """The files of a `files` source: of `split` for a `{split}` path, else all of them."""
     pattern = os.path.expanduser(src.path)
@@ -176,6 +186,9 @@ def _match_files(src: SourceConfig, split: Optional[str]) -> list[str]:
         if not matched:
             raise FileNotFoundError(f"source {src.describe()}: no file matches {pattern!r}; check data.sources[].path")
     files = _usable_files(src, matched)
+    if not files and all(os.path.isdir(m) for m in matched):
+        raise ValueError(f"source {src.describe()}: {where!r} is a directory, not corpus files; give a glob of "
+                         f"its files, e.g. path: \"{_example_glob(matched[0])}\"")
     if not files:
         raise DataError(
             f"source {src.describe()}: every file matching {where!r} is empty or not a file "
@@ -332,6 +345,30 @@ def text_of(example: dict, src: SourceConfig) -> str:
     return text
 
 
+@contextlib.contextmanager
+def _located_json_errors(src: SourceConfig, split: str, cfg: DataConfig) -> Iterator[None]:
+    """A JSON file that `datasets` cannot parse, as a `DataError` naming the file and line.
+
+    `datasets` reports only a row (and logs the file on a line of its own): the split's files are
+    read again with this module's reader, which names both, and the library's log line is held back.
+    """
+    log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except pa.ArrowInvalid as error:
+        if src.kind != "files" or FILE_BUILDERS[Path(source_files(src, split, cfg)[0]).suffix] != "json":
+            raise
+        for path in source_files(src, split, cfg):
+            for _ in _file_documents(path, src.text_field, src.describe()):
+                pass
+        raise DataError(f"source {src.describe()}: a file of split {split!r} is not valid JSON ({error}); "
+                        "fix it, or use one record per line (.jsonl)") from None
+    finally:
+        log.setLevel(level)
+
+
 def check_source(src: SourceConfig, split: str, cfg: DataConfig) -> None:
     """Fail early, with one line naming the source and what to do, on a missing path, an empty
     corpus, a split without documents or a missing text field. Reads the files directly (no
@@ -344,8 +381,9 @@ def check_source(src: SourceConfig, split: str, cfg: DataConfig) -> None:
                                                                                 whole=False)))
     else:
         docs = (text_of(e, src) for e in open_source(src, split, cfg, seed=cfg.seed))
-    if any(docs):
-        return
+    with _located_json_errors(src, split, cfg):
+        if any(docs):
+            return
     if by_document(src):
         kwargs = _by_document_kwargs(src, split, cfg, seed=0, epoch=0, whole=True)
         sizes = [len(text_of(e, src)) > 0 for e in _read_documents(**kwargs)]

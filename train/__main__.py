@@ -16,7 +16,7 @@ import traceback
 
 from omegaconf import OmegaConf
 
-from train.config import ConfigError, compose, to_train_config
+from train.config import ConfigError, TrainConfig, compose, to_train_config
 from train.distributed import strip_local_rank
 
 USAGE = """usage: python -m train [--cfg job] [key=value | group=option ...]
@@ -39,6 +39,14 @@ def _split_args(argv: list[str]) -> tuple[list[str], bool]:
         else:
             overrides.append(arg)
     return overrides, show
+
+
+def check_world_size(cfg: TrainConfig, world_size: int) -> None:
+    """The global batch splits over this many ranks (a `ConfigError`, said once by rank 0, if not)."""
+    try:
+        cfg.grad_accum(world_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         dist.init()
+        check_world_size(cfg, dist.world_size())
         return run(cfg)
     except KeyboardInterrupt:  # SIGINT before run() takes over the signal (import, rendezvous)
         print("interrupted before training started: nothing to save", file=sys.stderr)
@@ -74,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, NonFiniteLossError, FileNotFoundError, ValueError) as error:
         if os.environ.get("TRAIN_TRACEBACK"):
             traceback.print_exc()
+        if isinstance(error, ConfigError):  # a verdict on the configuration, the same on every rank
+            if dist.is_main():
+                print(f"error: {error}", file=sys.stderr)
+            return 1
         prefix = f"[rank {dist.rank()}] " if dist.world_size() > 1 else ""
         print(f"{prefix}error: {error}", file=sys.stderr)
         return 1

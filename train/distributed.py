@@ -7,14 +7,19 @@ the same `env://` initialisation. CPU runs use gloo; GPUs use the accelerator's 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import socket
+import sys
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 _LOCAL_RANK_ARG = re.compile(r"^--local[_-]rank(=(\d+))?$")
+_OP_BANNER = re.compile(r"^DeepSpeed \S+ built successfully$")
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -62,7 +67,23 @@ def init() -> None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     backend = "gloo" if accelerator.device_name() == "cpu" else accelerator.communication_backend_name()
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    with _banner_off_stdout():
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+@contextlib.contextmanager
+def _banner_off_stdout() -> Iterator[None]:
+    """DeepSpeed prints `DeepSpeed <op> built successfully` on stdout when it loads an op (the CPU
+    shared-memory collective, at every start): it is dropped, anything else printed goes to stderr,
+    so stdout holds only what `train` itself reports."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        kept = [line for line in printed.getvalue().splitlines() if not _OP_BANNER.match(line)]
+        if kept:
+            print("\n".join(kept), file=sys.stderr)
 
 
 def rank() -> int:

@@ -1,9 +1,11 @@
-"""Every bad input to data/ and eval/ command lines: one `error:` line, its exit status (2: the
-command line is wrong, 1: an input it names is unusable), found before any expensive work and
-leaving everything as it was. Plus train's override syntax in the data command lines."""
+"""Every bad input to the command lines of data/, eval/, generate/ and the exporter: one `error:`
+line, its exit status (2: the command line is wrong, 1: an input it names is unusable), found before
+any expensive work and leaving everything as it was; train's configuration errors once, off stdout.
+Plus train's override syntax in the data command lines."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -206,3 +208,189 @@ def test_report_malformed_json_and_out_file(tmp_path, capsys):
     code = report_main([str(tmp_path / "run"), "--out", str(tmp_path / "taken")])
     _one_error(capsys, code, 2, "--out=", "is a file, not a directory")
     assert _snapshot(tmp_path) == before and not (tmp_path / "cmp").exists()
+
+
+# --- a trained run: the exporter, generate and eval on it; train under the launcher ----------------
+def _sizes(root: Path) -> dict[str, int]:
+    """Every file under root with its size: what a command must leave as it was."""
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _train_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                       "MASTER_"))}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+MICRO = ["experiment=micro", "logger=none", "logger.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """`runs/micro`: a real two-step run with a checkpoint at each step (the exporter would load it)."""
+    root = tmp_path_factory.mktemp("runs_root")
+    done = subprocess.run([sys.executable, "-m", "train", *MICRO, f"run_dir={root / 'runs' / 'micro'}",
+                           f"data.cache_dir={root / 'cache'}", "max_steps=2", "ckpt_every=1", "eval_every=2",
+                           "keep_last=2"], cwd=ROOT, env=_train_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "runs"
+
+
+@pytest.fixture
+def run_copy(runs, tmp_path) -> Path:
+    """A copy of the run that a test may damage."""
+    import shutil
+
+    return Path(shutil.copytree(runs / "micro", tmp_path / "runs" / "micro"))
+
+
+def _dangerous_outs(run: Path, unrelated: Path) -> dict[str, Path]:
+    return {"the run": run, "the folder of runs": run.parent, "a checkpoint": run / "checkpoints" / "step_00000001",
+            "the checkpoints folder": run / "checkpoints", "a new folder inside the run": run / "hf",
+            "an unrelated non-empty folder": unrelated}
+
+
+@pytest.mark.parametrize("which", ["the run", "the folder of runs", "a checkpoint", "the checkpoints folder",
+                                   "a new folder inside the run", "an unrelated non-empty folder"])
+def test_export_never_deletes_what_it_did_not_write(which, run_copy, tmp_path, capsys):
+    from train.export_hf import main as export_main
+
+    unrelated = tmp_path / "notes"
+    unrelated.mkdir()
+    (unrelated / "thesis.tex").write_text("years of work")
+    out = _dangerous_outs(run_copy, unrelated)[which]
+    before = _sizes(tmp_path)
+    code = export_main([f"run={run_copy}", f"out={out}", "overwrite=true"])
+    _one_error(capsys, code, 2, f"out={out}")
+    assert _sizes(tmp_path) == before
+    assert not [p for p in tmp_path.rglob("*export*")]  # no temporary sibling left either
+
+
+def test_export_out_that_is_a_file_or_under_a_read_only_folder(run_copy, tmp_path, capsys):
+    from train.export_hf import main as export_main
+
+    (tmp_path / "taken").write_text("a file")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    before = _sizes(tmp_path)
+    code = export_main([f"run={run_copy}", f"out={tmp_path / 'taken'}"])
+    _one_error(capsys, code, 2, "is a file, not a directory")
+    code = export_main([f"run={run_copy}", f"out={tmp_path / 'taken' / 'hf'}"])
+    _one_error(capsys, code, 2, "is a file, not a directory")
+    if os.geteuid() != 0:  # root writes anywhere: the permission check cannot be seen as root
+        locked.chmod(0o500)
+        try:
+            code = export_main([f"run={run_copy}", f"out={locked / 'hf'}"])
+            _one_error(capsys, code, 2, "is not writable")
+        finally:
+            locked.chmod(0o700)
+    assert _sizes(tmp_path) == before
+
+
+def test_corrupt_newest_checkpoint_points_to_the_older_sound_one(run_copy, tmp_path, capsys):
+    """eval, generate and the exporter name the older sound checkpoint, as train does (`run=` there)."""
+    from generate.__main__ import main as generate_main
+    from train.export_hf import main as export_main
+
+    newest = run_copy / "checkpoints" / "step_00000002" / "mp_rank_00_model_states.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    older = run_copy / "checkpoints" / "step_00000001"
+    before = _sizes(tmp_path)
+    hint = f"run={older} loads step 1, the newest sound one before it"
+    code = eval_main([f"run={run_copy}", "task=ppl", "wandb.mode=disabled"])
+    _one_error(capsys, code, 2, "step_00000002 is corrupt", hint)
+    code = generate_main([f"run={run_copy}", "prompt=x"])
+    _one_error(capsys, code, 2, "step_00000002 is corrupt", hint)
+    code = export_main([f"run={run_copy}", f"out={tmp_path / 'hf'}"])
+    _one_error(capsys, code, 2, "step_00000002 is corrupt", hint)
+    assert _sizes(tmp_path) == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_generate_cuda_without_cuda(runs, capsys):
+    from generate.__main__ import main as generate_main
+
+    before = _sizes(runs)
+    code = generate_main([f"run={runs / 'micro'}", "prompt=x", "device=cuda"])
+    _one_error(capsys, code, 2, "device='cuda'", "no CUDA device", "use device=cpu")
+    assert _sizes(runs) == before
+
+
+def test_generate_empty_stdin_and_greedy_at_temperature_zero(runs, capsys, monkeypatch):
+    from generate.__main__ import main as generate_main
+
+    before = _sizes(runs)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    code = generate_main([f"run={runs / 'micro'}", "max_new_tokens=4"])
+    _one_error(capsys, code, 2, "no prompt: stdin was empty", 'prompt="..."')
+    code = generate_main([f"run={runs / 'micro'}", "prompt=x", "temperature=0"])
+    _one_error(capsys, code, 2, "temperature=0.0 must be > 0")
+    assert generate_main([f"run={runs / 'micro'}", "prompt=x", "greedy=true", "temperature=0", "max_new_tokens=4",
+                          "stop_at_eos=false"]) == 0  # greedy takes the argmax: temperature plays no part
+    done = capsys.readouterr()
+    assert done.err == "" and done.out.endswith("\n")
+    assert _sizes(runs) == before
+
+
+def test_train_error_after_setup_keeps_stdout_clear(tmp_path):
+    """A refusal found once DeepSpeed is up (fp16 on a CPU): one line on stderr, nothing on stdout
+    (DeepSpeed prints its op-build banner there), nothing written."""
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "train", *MICRO, f"run_dir={run_dir}", f"data.cache_dir={tmp_path}",
+                           "deepspeed.precision=fp16"], cwd=ROOT, env=_train_env(), capture_output=True, text=True,
+                          timeout=600)
+    if torch.cuda.is_available():
+        pytest.skip("fp16 is allowed on a GPU")
+    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr[-2000:])
+    assert len(done.stderr.strip().splitlines()) == 1 and "deepspeed.precision=fp16" in done.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_world_size_error_under_the_deepspeed_launcher_is_one_line(tmp_path):
+    """batch_size=4 of micro-batches of 4 cannot split over 2 ranks: rank 0 says so once, rank 1 is silent."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    run_dir = tmp_path / "run"
+    done = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "train", *MICRO,
+                           f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", "batch_size=4",
+                           "micro_batch_size=4"], cwd=ROOT, env=_train_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: batch_size=4 is not divisible by micro_batch_size=4 x world size 2: run on a number of ranks that "
+        "divides 1, or change batch_size"], done.stderr[-3000:]
+    assert "built successfully" not in done.stdout  # the launcher's own log lines stay; DeepSpeed's banner does not
+    assert not run_dir.exists()
+
+
+# --- data sources: a directory, malformed JSON lines ----------------------------------------------
+def test_directory_as_a_files_source_asks_for_a_glob(tmp_path, capsys):
+    _corpus(tmp_path / "corpus" / "a.jsonl")
+    before = _snapshot(tmp_path)
+    code = _exit_code(tokenizer_main, ["train", _files_source(tmp_path / "corpus"), f"cache_dir={tmp_path / 'c'}"])
+    _one_error(capsys, code, 2, "is a directory", f'give a glob of its files, e.g. path: "{tmp_path / "corpus"}/*.jsonl"')
+    assert _snapshot(tmp_path) == before and not (tmp_path / "c").exists()
+
+
+def test_malformed_jsonl_names_file_and_line_and_exits_1(tmp_path, capsys):
+    """Per-split files are read by `datasets`, whose error names neither file nor line (and which
+    logs a line of its own); by-document files by our reader. Both: one line, file and line, exit 1."""
+    for split in ("train", "val"):
+        _corpus(tmp_path / "x" / f"{split}.jsonl", n=40)
+    with open(tmp_path / "x" / "train.jsonl", "a") as f:
+        f.write('{"text": "cut off\n')
+    before = _snapshot(tmp_path)
+    for path in (tmp_path / "x" / "{split}.jsonl", tmp_path / "x" / "train.jsonl"):
+        code = _exit_code(tokenizer_main, ["train", _files_source(path), f"cache_dir={tmp_path / 'c'}"])
+        _one_error(capsys, code, 1, f"{tmp_path / 'x' / 'train.jsonl'} line 41 is not JSON")
+        code = _exit_code(prepare_main, ["--out", str(tmp_path / "bin"), _files_source(path),
+                                         f"cache_dir={tmp_path / 'c'}"])
+        _one_error(capsys, code, 1, f"{tmp_path / 'x' / 'train.jsonl'} line 41 is not JSON")
+        if "{split}" in str(path):  # found by the checks (by-document files: when the tokenizer's sample is read)
+            assert _snapshot(tmp_path) == before
+    assert {k: v for k, v in _snapshot(tmp_path).items() if not k.startswith("c/")} == before
+    assert not (tmp_path / "bin").exists()

@@ -130,6 +130,39 @@ def test_tokenizer_that_tokenizer_json_cannot_express_is_refused(tokenizer, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prefix.model"]
 
 
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_replaces_only_a_previous_export_and_a_failure_keeps_it(tokenizer, tmp_path, monkeypatch):
+    """The export is written beside `out` and renamed in: a failure half-way leaves the previous
+    export as it was (and no temporary folder); overwrite=true replaces an export, and only one
+    that holds nothing but what the export wrote."""
+    import train.export_hf as export_module
+
+    out = tmp_path / "hf"
+    export_hf(random_model(tokenizer, "origin"), tokenizer, out)
+    first = _files(tmp_path)
+    with pytest.raises(ExportError, match="a previous export .add overwrite=true"):
+        export_hf(random_model(tokenizer, "alibi"), tokenizer, out)
+
+    def disk_full(*_args):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(export_module, "save_tokenizer", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            export_hf(random_model(tokenizer, "alibi"), tokenizer, out, overwrite=True)
+    assert _files(tmp_path) == first
+    export_hf(random_model(tokenizer, "alibi"), tokenizer, out, overwrite=True)
+    assert json.loads((out / "config.json").read_text())["attention"] == "alibi"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    (out / "my_notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="also holds my_notes.txt, which the export did not write"):
+        export_hf(random_model(tokenizer, "origin"), tokenizer, out, overwrite=True)
+    assert (out / "my_notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("design", list(DESIGNS))
 def test_logits_and_greedy_tokens_match(design, tokenizer, tmp_path):
     model = random_model(tokenizer, design)

@@ -8,7 +8,8 @@ exit status says whose turn it is:
 - 2, usage: the command line is wrong (an unknown key or bad value, a path that is missing or a
   file where a directory is expected, an unavailable device);
 - 1, runtime: an input it names is unusable (`DataError`: an empty or binary corpus, no documents
-  for a split, a file that is not a tokenizer model, malformed results JSON).
+  for a split, a file that is not a tokenizer model, malformed results JSON, a corpus file that
+  does not parse).
 """
 
 from __future__ import annotations

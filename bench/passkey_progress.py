@@ -54,12 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--cases", type=int, default=30)
     parser.add_argument("--seed", type=int, default=None, help="prompt seed (default: the run's training seed)")
+    parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per forward (1: one case each)")
     args = parser.parse_args(argv)
+    if args.batch_tokens < 1:
+        parser.error(f"--batch-tokens {args.batch_tokens} must be >= 1")
     print(f"| checkpoint | key-token log-prob | key-token accuracy | passkey ({args.cases} cases at {args.length}) |")
     print("|---|---|---|---|")
     for path in args.checkpoints:
         try:
-            r = progress(path, args.length, args.cases, args.seed)
+            r = progress(path, args.length, args.cases, args.seed, args.batch_tokens)
         except (CheckpointError, ValueError) as e:
             print(f"error: {path}: {e}", file=sys.stderr)
             return 2

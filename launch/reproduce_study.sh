@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# The CPU-scale extrapolation study (docs/RESULTS.md): Origin, ALiBi, CoCA slack and CoCA strict,
-# each trained with several seeds on the retrieval mix (conf/experiment/study_*.yaml), plus one
-# text-only Origin model for the zero-shot passkey row; each run evaluated at 1x .. 32x the
-# training length (perplexity, passkey, recall; RoPE as trained and with dynamic NTK 2/4/8;
-# attention statistics at 4x); then one seed-aggregated report (mean, 95% CI, Welch's tests).
+# The CPU-scale extrapolation study (docs/RESULTS.md), as pre-registered in conf/study/comparisons.yaml:
+# Origin and CoCA slack with seeds 1..10, CoCA strict and ALiBi with seeds 1..5 (the file's `seeds`),
+# each trained on the retrieval mix (conf/experiment/study_*.yaml), plus one text-only Origin model
+# (seed 1) for the zero-shot passkey row. Each run is evaluated at 1x .. 32x the training length 256:
+# passkey on 100 cases per length and scaling from the run's own prompt stream (eval prompt_seed=run),
+# perplexity on 20 held-out documents (the same for every run), recall at 1x .. 4x (exploratory: the
+# study trains no recall rows), attention statistics at 4x; RoPE as trained and with dynamic NTK 8
+# (the family's two scalings; ALiBi as trained only); and the training bar, passkey at 256 of every
+# checkpoint on 60 cases of the bar's own stream (disjoint from the evaluation's). Then one
+# seed-aggregated report: the pre-registered family first (Holm), the rest exploratory.
+# Evaluation cost: bench/study_eval.py (one run's evaluation before and after these settings).
 #
-#   launch/reproduce_study.sh                          # the full study, results in runs/study
-#   SEEDS="1 2" STEPS=100 launch/reproduce_study.sh    # shorter
-#   launch/reproduce_study.sh logger.wandb=disabled    # extra arguments: Hydra overrides for training
+#   RESULTS=docs/results/study launch/reproduce_study.sh   # the whole study, published as it lands
+#   SEEDS="1 2" STEPS=100 launch/reproduce_study.sh        # shorter: these seeds for every design
+#   launch/reproduce_study.sh logger.wandb=disabled        # extra arguments: Hydra overrides for training
+#   launch/reproduce_study.sh --print-eval                 # print the evaluation settings and exit
 #
-# Environment: RUNS (default runs/study), DESIGNS (default "origin alibi coca coca_strict"),
-# SEEDS (default "1 2 3"), TEXT_ONLY (1: also the text-only run, seed 1), STEPS (max_steps),
-# JOBS (runs at once, default 2, each on one thread: on a small CPU two one-thread jobs train
-# faster than one two-thread job), EVAL (evaluation overrides replacing the study's, space separated).
+# Environment: RUNS (default runs/study), DESIGNS (default "origin coca coca_strict alibi"),
+# SEEDS (default: each design's pre-registered seeds 1..n), TEXT_ONLY (1: also the text-only run,
+# seed 1), STEPS (max_steps), JOBS (runs at once, default 2, each on one thread: on a small CPU two
+# one-thread jobs train faster than one two-thread job), EVAL (evaluation overrides replacing the
+# study's, space separated), SCALINGS (RoPE scalings evaluated, default [none,dynamic:8]; ALiBi: none).
 # RESULTS (default: none): a folder path where each finished run's evaluation JSON and passkey-progress
 # table (passkey at 1x of every checkpoint: the steps it took to the bar) are copied, and the report
 # is written; commit it, and the study continues on another machine where it stopped.
@@ -23,17 +31,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUNS=${RUNS:-runs/study}
-DESIGNS=${DESIGNS:-"origin alibi coca coca_strict"}
-SEEDS=${SEEDS:-"1 2 3"}
+DESIGNS=${DESIGNS:-"origin coca coca_strict alibi"}
+SEEDS=${SEEDS:-}
 TEXT_ONLY=${TEXT_ONLY:-1}
 JOBS=${JOBS:-2}
 RESULTS=${RESULTS:-}
-# 1x .. 32x of the training length 256
-# (measured: 4 documents at stride 1024 and 20 cases per length took 4 + 4 minutes for ppl and
-# passkey on one thread; these settings take about a third of that)
-EVAL=${EVAL:-"ppl.lengths=[256,512,1024,2048,4096,8192] ppl.stride=2048 ppl.n_docs=3 \
-passkey.lengths=[256,512,1024,2048,4096,8192] passkey.n_cases=16 \
-recall.lengths=[256,512,1024,2048,4096,8192] recall.n_cases=8"}
+# 1x .. 32x of the training length 256. Perplexity: 31 stdlib test documents reach 8193 tokens with
+# the study's tokenizer (`python -m data.documents test tokenizer.digit_group=3`), 9 reach 16K, so
+# 8192 is the longest length with 20 documents; stride 2048 as in the pilot.
+EVAL=${EVAL:-"ppl.lengths=[256,512,1024,2048,4096,8192] ppl.stride=2048 ppl.n_docs=20 \
+passkey.lengths=[256,512,1024,2048,4096,8192] passkey.n_cases=100 \
+recall.lengths=[256,512,1024] recall.n_cases=20"}
+SCALINGS=${SCALINGS:-"[none,dynamic:8]"}
+if [ "${1:-}" = --print-eval ]; then printf '%s\n' "$EVAL" "$SCALINGS"; exit 0; fi
 mkdir -p "$RUNS/logs"
 if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
 
@@ -47,7 +57,7 @@ one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, wh
     touch "$run_dir/DONE"
   fi
   if [ ! -f "$run_dir/eval/DONE" ]; then
-    local scalings="[none,dynamic:2,dynamic:4,dynamic:8]"
+    local scalings=$SCALINGS
     if [ "$design" = alibi ]; then scalings="[none]"; fi
     # shellcheck disable=SC2086  # EVAL is a list of overrides
     python -m eval run="$run_dir" task=all scalings="$scalings" progress=false $EVAL || return 1
@@ -63,8 +73,21 @@ one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, wh
   fi
 }
 
-plan=()
-for seed in $SEEDS; do for design in $DESIGNS; do plan+=("$design $seed"); done; done
+seeds_of() {  # design: $SEEDS, else 1 .. its pre-registered number of seeds (one line if it has none)
+  if [ -n "$SEEDS" ]; then echo "$SEEDS"; return; fi
+  python -c 'import sys, yaml
+n = yaml.safe_load(open(sys.argv[1]))["seeds"].get(sys.argv[2])
+sys.exit(f"error: design {sys.argv[2]} has no seeds in {sys.argv[1]}; set SEEDS") if n is None else print(*range(1, n + 1))' \
+    conf/study/comparisons.yaml "$1"
+}
+
+plan=()  # seed by seed, so that every design has its first seeds published early
+pairs=""
+for design in $DESIGNS; do
+  seeds=$(seeds_of "$design") || exit 2
+  for seed in $seeds; do pairs+="$seed $design"$'\n'; done
+done
+while read -r seed design; do plan+=("$design $seed"); done < <(printf '%s' "$pairs" | sort -s -n -k1,1)
 if [ "$TEXT_ONLY" = 1 ]; then plan+=("text 1"); fi
 
 for item in "${plan[@]}"; do

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from data.documents import long_documents
+from data.tasks import make_cases
 from eval import report
 from eval.__main__ import compose_config, main
 from train.export import load_model
@@ -168,3 +169,25 @@ def test_rope_scaling_override_composes():
     cfg = OmegaConf.to_object(compose_config(["run=x", "model.rope_scaling.type=yarn", "model.rope_scaling.factor=8"]))
     assert (cfg.model.rope_scaling.type, cfg.model.rope_scaling.factor) == ("yarn", 8.0)
     assert OmegaConf.to_object(compose_config(["run=x"])).model.rope_scaling.type is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_seed", ["run", "5", "fixed"])
+def test_prompts_come_from_the_stream_recorded_in_meta(run, tmp_path, prompt_seed):
+    """`prompt_seed=run` scores the run's own stream (its training seed), N seed N's, `fixed` the
+    shared set; the JSON's meta says which, and the cases are exactly that stream's."""
+    _, train_cfg, tok = load_model(str(run))
+    results = evaluate(run, tmp_path, "task=passkey", "passkey.lengths=[200]", "passkey.n_cases=3",
+                       f"prompt_seed={prompt_seed}")
+    meta = results["passkey"]["meta"]
+    expected = {"run": ("eval", train_cfg.seed), "5": ("eval", 5), "fixed": ("fixed", 0)}[prompt_seed]
+    assert (meta["prompt_stream"], meta["prompt_seed"]) == expected
+    cases = make_cases(tok, 200, 3, expected[1], prefix=[tok.eos_id], stream=expected[0])
+    assert [(c["key"], c["depth"], c["tokens"]) for c in results["passkey"]["cases"]] == [
+        (c.key, c.depth, len(c.tokens)) for c in cases]
+
+
+def test_prompt_seed_must_be_run_fixed_or_a_seed(tmp_path, capsys):
+    assert main([f"run={tmp_path}", "prompt_seed=first"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: prompt_seed='first' is not run, fixed or a non-negative integer")

@@ -187,8 +187,8 @@ def _match_files(src: SourceConfig, split: Optional[str]) -> list[str]:
             raise FileNotFoundError(f"source {src.describe()}: no file matches {pattern!r}; check data.sources[].path")
     files = _usable_files(src, matched)
     if not files and all(os.path.isdir(m) for m in matched):
-        raise ValueError(f"source {src.describe()}: {where!r} is a directory, not corpus files; give a glob of "
-                         f"its files, e.g. path: \"{_example_glob(matched[0])}\"")
+        raise ValueError(f"source {src.describe()}: {where!r} is a directory, not corpus files; give a glob "
+                         f"of its files, e.g. path: \"{_example_glob(matched[0])}\"")
     if not files:
         raise DataError(
             f"source {src.describe()}: every file matching {where!r} is empty or not a file "

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from data.config import DataConfig, TokenizerConfig
+from data.prepare import main as prepare_main
 from data.tokenizer import Tokenizer, get_tokenizer
 from data.tokenizer import main as tokenizer_main
-from data.prepare import main as prepare_main
 from eval.__main__ import main as eval_main
 from eval.report import main as report_main
 
@@ -217,8 +217,8 @@ def _sizes(root: Path) -> dict[str, int]:
 
 
 def _train_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                                                       "MASTER_"))}
+    launcher = ("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
@@ -231,7 +231,8 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs_root")
     done = subprocess.run([sys.executable, "-m", "train", *MICRO, f"run_dir={root / 'runs' / 'micro'}",
                            f"data.cache_dir={root / 'cache'}", "max_steps=2", "ckpt_every=1", "eval_every=2",
-                           "keep_last=2"], cwd=ROOT, env=_train_env(), capture_output=True, text=True, timeout=600)
+                           "keep_last=2"],
+                          cwd=ROOT, env=_train_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "runs"
 
@@ -245,9 +246,10 @@ def run_copy(runs, tmp_path) -> Path:
 
 
 def _dangerous_outs(run: Path, unrelated: Path) -> dict[str, Path]:
-    return {"the run": run, "the folder of runs": run.parent, "a checkpoint": run / "checkpoints" / "step_00000001",
-            "the checkpoints folder": run / "checkpoints", "a new folder inside the run": run / "hf",
-            "an unrelated non-empty folder": unrelated}
+    return {"the run": run, "the folder of runs": run.parent,
+            "a checkpoint": run / "checkpoints" / "step_00000001",
+            "the checkpoints folder": run / "checkpoints",
+            "a new folder inside the run": run / "hf", "an unrelated non-empty folder": unrelated}
 
 
 @pytest.mark.parametrize("which", ["the run", "the folder of runs", "a checkpoint", "the checkpoints folder",
@@ -325,8 +327,9 @@ def test_generate_empty_stdin_and_greedy_at_temperature_zero(runs, capsys, monke
     _one_error(capsys, code, 2, "no prompt: stdin was empty", 'prompt="..."')
     code = generate_main([f"run={runs / 'micro'}", "prompt=x", "temperature=0"])
     _one_error(capsys, code, 2, "temperature=0.0 must be > 0")
-    assert generate_main([f"run={runs / 'micro'}", "prompt=x", "greedy=true", "temperature=0", "max_new_tokens=4",
-                          "stop_at_eos=false"]) == 0  # greedy takes the argmax: temperature plays no part
+    greedy = [f"run={runs / 'micro'}", "prompt=x", "greedy=true", "temperature=0", "max_new_tokens=4",
+              "stop_at_eos=false"]
+    assert generate_main(greedy) == 0  # greedy takes the argmax: temperature plays no part
     done = capsys.readouterr()
     assert done.err == "" and done.out.endswith("\n")
     assert _sizes(runs) == before
@@ -336,9 +339,9 @@ def test_train_error_after_setup_keeps_stdout_clear(tmp_path):
     """A refusal found once DeepSpeed is up (fp16 on a CPU): one line on stderr, nothing on stdout
     (DeepSpeed prints its op-build banner there), nothing written."""
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "train", *MICRO, f"run_dir={run_dir}", f"data.cache_dir={tmp_path}",
-                           "deepspeed.precision=fp16"], cwd=ROOT, env=_train_env(), capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-m", "train", *MICRO, f"run_dir={run_dir}",
+                           f"data.cache_dir={tmp_path}", "deepspeed.precision=fp16"],
+                          cwd=ROOT, env=_train_env(), capture_output=True, text=True, timeout=600)
     if torch.cuda.is_available():
         pytest.skip("fp16 is allowed on a GPU")
     assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr[-2000:])
@@ -355,15 +358,15 @@ def test_world_size_error_under_the_deepspeed_launcher_is_one_line(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     run_dir = tmp_path / "run"
-    done = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "train", *MICRO,
-                           f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", "batch_size=4",
-                           "micro_batch_size=4"], cwd=ROOT, env=_train_env(), capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "train",
+                           *MICRO, f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}",
+                           "batch_size=4", "micro_batch_size=4"],
+                          cwd=ROOT, env=_train_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        "error: batch_size=4 is not divisible by micro_batch_size=4 x world size 2: run on a number of ranks that "
-        "divides 1, or change batch_size"], done.stderr[-3000:]
-    assert "built successfully" not in done.stdout  # the launcher's own log lines stay; DeepSpeed's banner does not
+        "error: batch_size=4 is not divisible by micro_batch_size=4 x world size 2: run on a number of ranks "
+        "that divides 1, or change batch_size"], done.stderr[-3000:]
+    assert "built successfully" not in done.stdout  # the launcher logs there; DeepSpeed's banner is gone
     assert not run_dir.exists()
 
 
@@ -371,8 +374,10 @@ def test_world_size_error_under_the_deepspeed_launcher_is_one_line(tmp_path):
 def test_directory_as_a_files_source_asks_for_a_glob(tmp_path, capsys):
     _corpus(tmp_path / "corpus" / "a.jsonl")
     before = _snapshot(tmp_path)
-    code = _exit_code(tokenizer_main, ["train", _files_source(tmp_path / "corpus"), f"cache_dir={tmp_path / 'c'}"])
-    _one_error(capsys, code, 2, "is a directory", f'give a glob of its files, e.g. path: "{tmp_path / "corpus"}/*.jsonl"')
+    code = _exit_code(tokenizer_main, ["train", _files_source(tmp_path / "corpus"),
+                                       f"cache_dir={tmp_path / 'c'}"])
+    example = tmp_path / "corpus" / "*.jsonl"
+    _one_error(capsys, code, 2, "is a directory", f'give a glob of its files, e.g. path: "{example}"')
     assert _snapshot(tmp_path) == before and not (tmp_path / "c").exists()
 
 
@@ -390,7 +395,7 @@ def test_malformed_jsonl_names_file_and_line_and_exits_1(tmp_path, capsys):
         code = _exit_code(prepare_main, ["--out", str(tmp_path / "bin"), _files_source(path),
                                          f"cache_dir={tmp_path / 'c'}"])
         _one_error(capsys, code, 1, f"{tmp_path / 'x' / 'train.jsonl'} line 41 is not JSON")
-        if "{split}" in str(path):  # found by the checks (by-document files: when the tokenizer's sample is read)
+        if "{split}" in str(path):  # found by the checks (by-document: once the tokenizer's sample is read)
             assert _snapshot(tmp_path) == before
     assert {k: v for k, v in _snapshot(tmp_path).items() if not k.startswith("c/")} == before
     assert not (tmp_path / "bin").exists()

@@ -23,7 +23,8 @@ from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 from model import GPT, ModelConfig
 from train.export import load_model
-from train.export_hf import ExportError, export_hf, main as export_main
+from train.export_hf import ExportError, export_hf
+from train.export_hf import main as export_main
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -87,7 +88,8 @@ def test_tokenizer_gives_our_ids_byte_fallback_included(tokenizer, tmp_path):
 def _stdlib_sample(n_files: int = 300) -> list[str]:
     """Every k-th file of the sorted standard library (a fixed, spread-out sample), as text."""
     files = stdlib_files()
-    return [(stdlib_root() / f).read_bytes().decode("utf-8", errors="replace") for f in files[:: len(files) // n_files]]
+    sample = files[:: len(files) // n_files]
+    return [(stdlib_root() / f).read_bytes().decode("utf-8", errors="replace") for f in sample]
 
 
 @pytest.mark.parametrize("digit_group", [1, 2, 3])
@@ -108,7 +110,7 @@ def test_exported_tokenizer_encodes_like_ours_for_every_digit_group(digit_group,
     passkeys = [c.tokens for n in (128, 512, 2048) for c in make_cases(tok, n, 10, seed=0)]
     recalls = [c.tokens for n in (128, 512, 2048) for c in make_recall_cases(tok, n, 5, 4, seed=0)]
     prompts = [tok.decode(ids) for ids in passkeys + recalls]
-    assert [tok.encode(p) for p in prompts[: len(passkeys)]] == passkeys  # the prompts as the evaluation sees them
+    assert [tok.encode(p) for p in prompts[: len(passkeys)]] == passkeys  # as the evaluation sees them
     for text in _stdlib_sample() + prompts + [SAMPLE]:
         assert hf(text)["input_ids"] == tok.encode(text)
     assert hf.decode(number) == "12345 007"
@@ -270,8 +272,8 @@ def zero3(tmp_path_factory) -> tuple[Path, Path]:
 def test_zero3_export_loads_without_this_project(zero3, tmp_path):
     run, out = zero3
     assert sorted(p.name for p in out.iterdir()) == [
-        "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors", "modeling_coca_lm.py",
-        "tokenizer.json", "tokenizer_config.json"]
+        "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors",
+        "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json"]
     source = Path(json.__file__).with_name("decoder.py")  # any long text: the stdlib's own
     result = tmp_path / "hf.pt"
     _ok(subprocess.run([sys.executable, "-I", "-c", LOADER, str(REPO), str(out), str(result), str(source)],

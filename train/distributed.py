@@ -13,7 +13,7 @@ import os
 import re
 import socket
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

@@ -30,7 +30,8 @@ def check_device(device: str) -> None:
                          "is False); use device=cpu")
     index = device.partition(":")[2]
     if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-        raise ValueError(f"device={device!r}: this machine has CUDA devices 0..{torch.cuda.device_count() - 1}")
+        raise ValueError(f"device={device!r}: this machine has CUDA devices "
+                         f"0..{torch.cuda.device_count() - 1}")
 
 
 def sound_older(ckpt: Path) -> str:
@@ -43,7 +44,8 @@ def sound_older(ckpt: Path) -> str:
             verify(older)
         except CheckpointError:
             continue
-        return f"; run={older} loads step {int(older.name.removeprefix('step_'))}, the newest sound one before it"
+        step = int(older.name.removeprefix("step_"))
+        return f"; run={older} loads step {step}, the newest sound one before it"
     return "; the run has no older sound checkpoint"
 
 

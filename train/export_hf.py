@@ -135,7 +135,8 @@ def tokenizer_refusal(tokenizer: Tokenizer) -> str | None:
     proto = _tokenizer_proto(tokenizer)
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
     unsupported = [
-        (trainer.model_type != trainer.BPE, f"model_type={trainer.ModelType.Name(trainer.model_type)} (not BPE)"),
+        (trainer.model_type != trainer.BPE,
+         f"model_type={trainer.ModelType.Name(trainer.model_type)} (not BPE)"),
         (not trainer.byte_fallback, "byte_fallback=false"),
         (bool(norm.precompiled_charsmap) or norm.name not in ("identity", ""),
          f"normalization_rule_name={norm.name!r} (not identity)"),
@@ -147,9 +148,9 @@ def tokenizer_refusal(tokenizer: Tokenizer) -> str | None:
     found = [what for bad, what in unsupported if bad]
     if not found:
         return None
-    return (f"tokenizer {tokenizer.path} has {', '.join(found)}: the export writes tokenizer.json only for "
-            "SentencePiece BPE models trained like data.tokenizer's (identity normalization, no dummy prefix, "
-            "byte fallback), so that it encodes exactly as ours")
+    return (f"tokenizer {tokenizer.path} has {', '.join(found)}: the export writes tokenizer.json only "
+            "for SentencePiece BPE models trained like data.tokenizer's (identity normalization, no dummy "
+            "prefix, byte fallback), so that it encodes exactly as ours")
 
 
 def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
@@ -165,7 +166,8 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     text is the space piece here, where `data.tokenizer` encodes it as its three bytes.
     A model that this cannot express is refused (`tokenizer_refusal`).
     """
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, normalizers
+    from tokenizers import AddedToken, decoders, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
@@ -177,9 +179,10 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     normal = [(i, p.piece) for i, p in enumerate(proto.pieces) if p.type == kinds.NORMAL]
     merges = []
-    for i, piece in sorted(normal, key=lambda x: (-proto.pieces[x[0]].score, x[0])):
+    for _, piece in sorted(normal, key=lambda x: (-proto.pieces[x[0]].score, x[0])):
         splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
-        merges += sorted((s for s in splits if s[0] in vocab and s[1] in vocab), key=lambda s: (vocab[s[0]], vocab[s[1]]))
+        known = (s for s in splits if s[0] in vocab and s[1] in vocab)
+        merges += sorted(known, key=lambda s: (vocab[s[0]], vocab[s[1]]))
     model = BPE(vocab=vocab, merges=merges, unk_token=proto.pieces[tokenizer.unk_id].piece, byte_fallback=True,
                 fuse_unk=True)
     backend = HFTokenizer(model)
@@ -194,8 +197,8 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     eos = proto.pieces[tokenizer.eos_id].piece
     hf = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=eos, eos_token=eos, unk_token=proto.pieces[tokenizer.unk_id].piece,
-        pad_token=proto.pieces[tokenizer.pad_id].piece, split_special_tokens=True, clean_up_tokenization_spaces=False,
-        model_max_length=int(1e30),
+        pad_token=proto.pieces[tokenizer.pad_id].piece, split_special_tokens=True,
+        clean_up_tokenization_spaces=False, model_max_length=int(1e30),
     )
     hf.save_pretrained(out)
 
@@ -215,7 +218,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: b
         raise ExportError(f"tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={m.vocab_size}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export_tmp_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover (a pid is reused only after it ended)
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover (a pid is reused only once it ended)
     tmp.mkdir()
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config(m, tokenizer), indent=2) + "\n")
@@ -227,8 +230,8 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: b
             shutil.copyfile(REMOTE_CODE, tmp / REMOTE_CODE.name)
         save_tokenizer(tokenizer, tmp)
         files = sorted([p.name for p in tmp.iterdir()] + [EXPORT_MARKER])
-        marker = {"written_by": "python -m train.export_hf", "checkpoint": str(checkpoint) if checkpoint else None,
-                  "files": files}
+        marker = {"written_by": "python -m train.export_hf", "files": files,
+                  "checkpoint": str(checkpoint) if checkpoint else None}
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         _replace(out, tmp)
     except BaseException:
@@ -302,11 +305,12 @@ def check_out(out: Path, overwrite: bool, run: Path | None = None) -> None:
                           f"(no {EXPORT_MARKER}): overwrite=true replaces only a previous export; "
                           "give out= a new or empty directory")
     if not overwrite:
-        raise ExportError(f"out={out} exists and is not empty: a previous export (add overwrite=true to replace it)")
+        raise ExportError(f"out={out} exists and is not empty: a previous export "
+                          "(add overwrite=true to replace it)")
     foreign = [p.name for p in held if p.name not in listed or not p.is_file() or p.is_symlink()]
     if foreign:
-        raise ExportError(f"out={out} is a previous export but also holds {', '.join(foreign[:3])}, which the "
-                          "export did not write: move them away or give out= another directory")
+        raise ExportError(f"out={out} is a previous export but also holds {', '.join(foreign[:3])}, which "
+                          "the export did not write: move them away or give out= another directory")
 
 
 def _parse_args(argv: list[str]) -> dict[str, str]:

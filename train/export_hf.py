@@ -9,6 +9,11 @@ fp32; weights gathered to fp32 by `train.export.load_model`): `config.json`, `mo
 - alibi, coca slack, coca strict: `modeling_coca_lm.py` (beside this file, imports only torch and
   transformers) is copied in and named in `auto_map`; load with `trust_remote_code=True`.
 
+`out` is checked before anything loads (`check_out`): never a run or checkpoint directory, inside
+one or holding one; a non-empty `out` must be a previous export, recognised by the marker
+`coca_lm_export.json` that lists its files, and is replaced only with `overwrite=true`. The export
+is written beside `out` and renamed in: a failure leaves the previous export or nothing.
+
 RoPE scalings map onto transformers' `rope_parameters`: none -> default, linear -> linear,
 dynamic -> dynamic, yarn -> yarn (`original_max_position_embeddings` = training length), ntk (a
 static base) -> default with `rope_theta` = the scaled base. It lives in its own module, not in

@@ -191,6 +191,7 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
     written: dict[str, list[Path]] = {}
     md: list[str] = []
     train_len = _train_len(results)
+    design = None if prefix else _design(results)  # one run: its labels are scalings of one design
     if "ppl" in results:
         rows = results["ppl"]["rows"]
         lengths, table = pivot(rows, "label", "ppl")
@@ -199,7 +200,7 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
         series = {k: (list(v), list(v.values())) for k, v in table.items()}
         written["ppl"] = [
             write_csv(out_dir / f"{stem}ppl.csv", rows),
-            plots.plot_ppl(series, out_dir / f"{stem}ppl.png", train_len),
+            plots.save(plots.ppl_figure(series, train_len, design), out_dir / f"{stem}ppl.png"),
         ]
     if "passkey" in results:
         p = results["passkey"]
@@ -218,8 +219,8 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
         written["passkey"] = [
             write_csv(out_dir / f"{stem}passkey.csv", summary),
             write_csv(out_dir / f"{stem}passkey_cases.csv", [_flat_case(c) for c in p["cases"]]),
-            plots.plot_passkey(series, out_dir / f"{stem}passkey.png", train_len),
-            plots.plot_passkey_depth(grids, out_dir / f"{stem}passkey_depth.png"),
+            plots.save(plots.passkey_figure(series, train_len, design), out_dir / f"{stem}passkey.png"),
+            plots.save(plots.depth_figure(grids), out_dir / f"{stem}passkey_depth.png"),
         ]
     if "recall" in results:
         r = results["recall"]
@@ -230,7 +231,7 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
         series = {k: (list(v), list(v.values())) for k, v in table.items()}
         written["recall"] = [
             write_csv(out_dir / f"{stem}recall.csv", summary),
-            plots.plot_recall(series, out_dir / f"{stem}recall.png", train_len),
+            plots.save(plots.recall_figure(series, train_len, design), out_dir / f"{stem}recall.png"),
         ]
     if "attention" in results:
         a = results["attention"]
@@ -246,7 +247,8 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
         written["attention"] = [write_csv(out_dir / f"{stem}attention.csv", a["rows"])]
         if a.get("profiles"):
             written["attention"].append(
-                plots.plot_attention_profiles(a["profiles"], out_dir / f"{stem}attention_scores.png", train_len)
+                plots.save(plots.attention_figure(a["profiles"], train_len, design),
+                           out_dir / f"{stem}attention_scores.png")
             )
     md_path = out_dir / f"{stem}report.md"
     md_path.write_text(_header(results, prefix) + "\n".join(md))
@@ -265,6 +267,12 @@ def _notes(result: dict) -> list[str]:
 def _train_len(results: dict[str, dict]) -> int | None:
     lens = {r["meta"]["train_len"] for r in results.values() if "meta" in r}
     return lens.pop() if len(lens) == 1 else None
+
+
+def _design(results: dict[str, dict]) -> str | None:
+    """The design of a single run's results (its meta label), for the figures' colours."""
+    labels = {r["meta"]["label"] for r in results.values() if "meta" in r}
+    return labels.pop() if len(labels) == 1 else None
 
 
 def _header(results: dict[str, dict], prefix: str) -> str:
@@ -372,6 +380,7 @@ def seed_groups(loaded: Sequence[tuple[Path, Path, dict]]) -> dict[str, list[tup
 
 SEED_TITLES = {"ppl_ratio": "Perplexity / perplexity at the training length",
                "passkey": "Passkey accuracy", "recall": "Recall accuracy"}
+SEED_AXES = {"ppl_ratio": "perplexity ratio", "passkey": "passkey accuracy", "recall": "recall accuracy"}
 
 
 def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
@@ -421,8 +430,9 @@ def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
                f"{len(pairs)} pairs tested, {_floor_note(pairs)}):", ""]
         md += _orderings([t for t in pairs if t["significant"]], lengths, metric in aggregate.LOWER_IS_BETTER)
         md += [""]
-        written.append(plots.plot_bands(here, out_dir / f"seeds_{metric}.png", SEED_TITLES[metric], train_len,
-                                        log_y=False, unit_range=metric != "ppl_ratio"))
+        figure = plots.bands_figure(here, SEED_TITLES[metric], SEED_AXES[metric], train_len,
+                                    unit_range=metric != "ppl_ratio")
+        written.append(plots.save(figure, out_dir / f"seeds_{metric}.png"))
     if attention:
         keys = list(aggregate.ATTENTION_STATS)
         md += ["### Attention statistics (mean ± sample SD over seeds)", "",

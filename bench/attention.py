@@ -30,9 +30,9 @@ import time
 
 import torch
 
-from model.attention import CausalSelfAttention, coca_tie
+from model.attention import CausalSelfAttention
 from model.config import ModelConfig, RopeScaling
-from model.rope import Rope, RopeTables, apply_rope
+from model.transforms import Rope, RopeTables, apply_rope, coca_tie
 
 VARIANTS = ("origin", "alibi", "coca-slack", "coca-strict", "coca-released")
 

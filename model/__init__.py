@@ -1,8 +1,9 @@
 """GPT with Origin (RoPE), ALiBi and CoCA attention. Pure PyTorch: no training, data or I/O code."""
 
-from .attention import AttentionInputs, alibi_slopes
+from .attention import AttentionInputs
 from .config import FLAVORS, ModelConfig, RopeScaling, count_parameters, flavor
 from .gpt import GPT, KVCache
+from .transforms import alibi_slopes
 
 __all__ = [
     "GPT",

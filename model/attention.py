@@ -14,12 +14,14 @@ made non-negative, t_j = relu((t_j + t_{j+r/2}) / 2), so k = q_m * t_n is collin
 rotated pair. With rotary_pct < 1 the non-rotary dims d >= r are not rotated, so k_d = q_d * t_d is
 collinear with q_d for any t_d >= 0: they get t_d = relu(t_d) each, and both forms score them as
 sum_d q_d^2 t_d (a position-free term). With rotary_pct = 1 this is exactly the released code.
+
+The transforms, RoPE and ALiBi's slopes and bias live in `model.transforms`, the one file of model
+math that the Hugging Face export ships too; this module holds the kernels and the layer.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import torch
@@ -28,7 +30,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .rope import RopeTables, apply_rope
+from .transforms import (RopeTables, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie,
+                         origin_qk)
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
 # ~30 s once per process plus a few seconds per new length; below this query length the chunked
@@ -44,59 +47,6 @@ class AttentionInputs(NamedTuple):
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D]
     alibi_slopes: torch.Tensor | None  # [H]
-
-
-def alibi_slopes(n_head: int) -> torch.Tensor:
-    """Press et al.'s head slopes: 2^(-8/H), 2^(-16/H), ... with their rule for H not a power of 2."""
-
-    def power_of_2(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-
-    if math.log2(n_head).is_integer():
-        return torch.tensor(power_of_2(n_head), dtype=torch.float64)
-    closest = 2 ** math.floor(math.log2(n_head))
-    extra = alibi_slopes(2 * closest)[0::2][: n_head - closest]
-    return torch.cat((torch.tensor(power_of_2(closest), dtype=torch.float64), extra))
-
-
-# ---- q/k transforms ------------------------------------------------------------------------------
-
-
-def coca_tie(t: torch.Tensor, rotary_dims: int) -> torch.Tensor:
-    """CoCA's t: each rotary pair averaged and ReLU'd (duplicated back), other dims ReLU'd."""
-    half = rotary_dims // 2
-    tied = F.relu((t[..., :half] + t[..., half:rotary_dims]) / 2)
-    return torch.cat((tied, tied, F.relu(t[..., rotary_dims:])), dim=-1)
-
-
-# Each maps q, k (or CoCA's tied t) [B, H, T, D] at the positions of `rope` to (q_eff, k_eff).
-
-
-def origin_qk(q, k, rope: RopeTables):
-    return apply_rope(q, rope), apply_rope(k, rope)
-
-
-def coca_slack_qk(q, t, rope: RopeTables):
-    """The released code's a(m,n) = sum_d q[d] rope(q,m)[d] rope(t,n)[d], as one dot product."""
-    return q * apply_rope(q, rope), apply_rope(t, rope)
-
-
-def coca_strict_qk(q, t, rope: RopeTables):
-    """Eq. 9, a(m,n) = sum_j t_{n,j} |q_{m,j}|^2 cos((m-n) theta_j), as one dot product.
-
-    Pair j of q_eff holds (|q_j|^2, 0) rotated by m and pair j of k_eff holds (t_j, 0) rotated by n,
-    so their dot product is |q_j|^2 t_j cos((m - n) theta_j): purely relative.
-    """
-    cos, sin = rope
-    half = cos.shape[-1] // 2
-    r = 2 * half
-    cos, sin = cos[..., :half], sin[..., :half]  # rope([x, 0]) = [x cos, x sin]
-    sq = q[..., :half] ** 2 + q[..., half:r] ** 2
-    th = t[..., :half]
-    q_eff = torch.cat((sq * cos, sq * sin, q[..., r:] ** 2), dim=-1)
-    k_eff = torch.cat((th * cos, th * sin, t[..., r:]), dim=-1)
-    return q_eff, k_eff
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -152,8 +102,7 @@ def _alibi_rows(q, k, v, slopes: torch.Tensor, first: int) -> torch.Tensor:
     """Attention of query rows at positions first.. over keys 0..first+rows-1 (later keys are masked)."""
     m = torch.arange(first, first + q.shape[-2], device=q.device)[:, None]
     n = torch.arange(k.shape[-2], device=q.device)[None, :]
-    bias = (-slopes * (m - n)).to(q.dtype).masked_fill(n > m, torch.finfo(q.dtype).min)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(slopes, m, n, n <= m, q.dtype))
 
 
 @functools.cache

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig, RopeScaling
 from .loss import linear_cross_entropy_sum, token_losses
-from .rope import Rope, RopeTables
+from .transforms import Rope, RopeTables
 
 
 class MLP(nn.Module):

@@ -11,17 +11,8 @@ import pytest
 import torch
 
 from model import ModelConfig, RopeScaling
-from model.attention import (
-    ALIBI_CHUNK,
-    CausalSelfAttention,
-    alibi_slopes,
-    causal_attention,
-    coca_slack_qk,
-    coca_strict_qk,
-    coca_tie,
-    origin_qk,
-)
-from model.rope import Rope
+from model.attention import ALIBI_CHUNK, CausalSelfAttention, causal_attention
+from model.transforms import Rope, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie, origin_qk
 
 F64 = torch.float64
 

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from data.config import check_dir
 from data.tokenizer import Tokenizer
 from model import GPT, ModelConfig
-from model.rope import Rope
+from model.transforms import Rope
 from train.checkpoint import MARKER, CheckpointError, find_checkpoint
 from train.config import one_line
 

@@ -1,0 +1,159 @@
+"""The position math of every attention variant: RoPE and its scalings, the q/k transforms of Origin
+and CoCA, ALiBi's slopes and bias.
+
+It imports only `math`, `typing` and `torch` because the Hugging Face export ships this very file
+beside `modeling_coca_lm.py` (`hf.export`), which imports it as `.transforms`: training and the
+exported model run the same code, kept in one place.
+
+RoPE (GPT-NeoX rotate-half layout): dimension j of the rotated part pairs with j + r/2 (r = rotary
+dims); pair j at position m turns by m * theta_j, theta_j = base^(-2j/r). Dimensions beyond r pass
+through unrotated (rotary_pct < 1). Angles are computed in float64 for the positions and length
+actually processed, then cast, so long positions keep their precision and dynamic NTK never reuses
+a base computed for another length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [..., T, r]
+
+
+class Scaling(Protocol):
+    """A RoPE scaling (`model.config.RopeScaling`; the exported model builds its own from
+    `rope_parameters`): type none | linear | ntk | dynamic | yarn, its factor and YaRN's betas."""
+
+    type: str
+    factor: float
+    beta_fast: float
+    beta_slow: float
+
+
+# ---- RoPE ------------------------------------------------------------------------------------------
+
+
+class Rope:
+    """Computes cos/sin tables for given positions under a scaling (none|linear|ntk|dynamic|yarn)."""
+
+    def __init__(self, rotary_dims: int, base: float, train_len: int, scaling: Scaling):
+        self.rotary_dims = rotary_dims
+        self.base = base
+        self.train_len = train_len
+        self.scaling = scaling
+
+    def base_at(self, seq_len: int) -> float:
+        """The RoPE base used when `seq_len` tokens are processed (only dynamic NTK varies)."""
+        r, s = self.rotary_dims, self.scaling
+        if s.type == "ntk":
+            return self.base * s.factor ** (r / (r - 2))
+        if s.type == "dynamic" and seq_len > self.train_len:
+            return self.base * (s.factor * seq_len / self.train_len - (s.factor - 1)) ** (r / (r - 2))
+        return self.base
+
+    def inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        """Per-pair angular frequencies [r/2] (float64) and the factor cos/sin are scaled by."""
+        r, s = self.rotary_dims, self.scaling
+        inv = self.base_at(seq_len) ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
+        if s.type == "linear":
+            return inv / s.factor, 1.0
+        if s.type == "yarn":
+            return self._yarn(inv), (0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0)
+        return inv, 1.0
+
+    def _yarn(self, inv: torch.Tensor) -> torch.Tensor:
+        """YaRN (Peng et al. 2023): interpolate slow pairs, keep fast ones, ramp in between."""
+        r, s = self.rotary_dims, self.scaling
+
+        def pair_at(rotations: float) -> float:  # pair index that turns `rotations` times in L0
+            return r * math.log(self.train_len / (rotations * 2 * math.pi)) / (2 * math.log(self.base))
+
+        low = max(math.floor(pair_at(s.beta_fast)), 0)
+        high = min(math.ceil(pair_at(s.beta_slow)), r - 1)
+        ramp = (torch.arange(r // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        keep = 1.0 - ramp.clamp(0.0, 1.0)  # 1: extrapolate (unchanged), 0: interpolate (/factor)
+        return inv / s.factor * (1.0 - keep) + inv * keep
+
+    def tables(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype) -> RopeTables:
+        """cos/sin [..., T, r] for `positions` [..., T] when `seq_len` tokens are processed."""
+        inv, scale = self.inv_freq(seq_len)
+        angles = positions.to(torch.float64)[..., None] * inv.to(positions.device)
+        angles = torch.cat((angles, angles), dim=-1)
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """Rotate the leading r dims of x [..., T, D] (rotate-half pairing); the rest pass through."""
+    cos, sin = tables
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos + rotated * sin
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+# ---- q/k transforms --------------------------------------------------------------------------------
+
+
+def coca_tie(t: torch.Tensor, rotary_dims: int) -> torch.Tensor:
+    """CoCA's t: each rotary pair averaged and ReLU'd (duplicated back), other dims ReLU'd."""
+    half = rotary_dims // 2
+    tied = torch.relu((t[..., :half] + t[..., half:rotary_dims]) / 2)
+    return torch.cat((tied, tied, torch.relu(t[..., rotary_dims:])), dim=-1)
+
+
+# Each maps q, k (or CoCA's tied t) [B, H, T, D] at the positions of `rope` to (q_eff, k_eff).
+
+
+def origin_qk(q: torch.Tensor, k: torch.Tensor, rope: RopeTables) -> RopeTables:
+    return apply_rope(q, rope), apply_rope(k, rope)
+
+
+def coca_slack_qk(q: torch.Tensor, t: torch.Tensor, rope: RopeTables) -> RopeTables:
+    """The released code's a(m,n) = sum_d q[d] rope(q,m)[d] rope(t,n)[d], as one dot product."""
+    return q * apply_rope(q, rope), apply_rope(t, rope)
+
+
+def coca_strict_qk(q: torch.Tensor, t: torch.Tensor, rope: RopeTables) -> RopeTables:
+    """Eq. 9, a(m,n) = sum_j t_{n,j} |q_{m,j}|^2 cos((m-n) theta_j), as one dot product.
+
+    Pair j of q_eff holds (|q_j|^2, 0) rotated by m and pair j of k_eff holds (t_j, 0) rotated by n,
+    so their dot product is |q_j|^2 t_j cos((m - n) theta_j): purely relative.
+    """
+    cos, sin = rope
+    half = cos.shape[-1] // 2
+    r = 2 * half
+    cos, sin = cos[..., :half], sin[..., :half]  # rope([x, 0]) = [x cos, x sin]
+    sq = q[..., :half] ** 2 + q[..., half:r] ** 2
+    th = t[..., :half]
+    q_eff = torch.cat((sq * cos, sq * sin, q[..., r:] ** 2), dim=-1)
+    k_eff = torch.cat((th * cos, th * sin, t[..., r:]), dim=-1)
+    return q_eff, k_eff
+
+
+# ---- ALiBi -----------------------------------------------------------------------------------------
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """Press et al.'s head slopes: 2^(-8/H), 2^(-16/H), ... with their rule for H not a power of 2."""
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        return torch.tensor(power_of_2(n_head), dtype=torch.float64)
+    closest = 2 ** math.floor(math.log2(n_head))
+    extra = alibi_slopes(2 * closest)[0::2][: n_head - closest]
+    return torch.cat((torch.tensor(power_of_2(closest), dtype=torch.float64), extra))
+
+
+def alibi_bias(slopes: torch.Tensor, m: torch.Tensor, n: torch.Tensor, allowed: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The additive bias -slope_h * (m - n) for query positions m [rows, 1] and key positions
+    n [1, keys] (slopes [H, 1, 1], float64: exact), cast to `dtype`; where `allowed` is False, the
+    dtype's most negative finite value (never -inf, which has produced NaN in CPU SDPA)."""
+    return (-slopes * (m - n)).to(dtype).masked_fill(~allowed, torch.finfo(dtype).min)

@@ -21,7 +21,7 @@ import torch
 from data.tasks import PasskeyCase, make_cases
 from eval.passkey import answer_logits
 from train.checkpoint import CheckpointError
-from train.export import load_model
+from train.load import load_model
 
 
 def bar_cases(tokenizer, length: int, n_cases: int, seed: int) -> list[PasskeyCase]:

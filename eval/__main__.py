@@ -43,7 +43,7 @@ from eval.wandb_log import log_to_wandb
 from model import GPT
 from train.checkpoint import CheckpointError, find_checkpoint
 from train.config import CONF_DIR, TrainConfig, one_line
-from train.export import check_device, load_model
+from train.load import check_device, load_model
 
 
 class EvalError(Exception):

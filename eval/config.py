@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from data.config import SourceConfig, check_split
-from model.config import ROPE_SCALINGS
+from model.config import parse_scaling
 
 TASKS = ("ppl", "passkey", "recall", "attention")
 TASK_CHOICES = TASKS + ("all",)
@@ -32,19 +32,9 @@ class Scaling:
 
     @classmethod
     def parse(cls, text: str) -> "Scaling":
-        """`none`, `dynamic:4`, `linear:2.5` ..."""
-        kind, _, factor = text.partition(":")
-        if kind not in ROPE_SCALINGS:
-            raise ValueError(f"scaling {text!r}: type {kind!r} is not one of {', '.join(ROPE_SCALINGS)}")
-        if kind == "none":
-            return cls("none", 1.0)
-        try:
-            value = float(factor)
-        except ValueError:
-            raise ValueError(f"scaling {text!r}: write type:factor, e.g. dynamic:4") from None
-        if value < 1.0:
-            raise ValueError(f"scaling {text!r}: factor must be >= 1")
-        return cls(kind, value)
+        """`none`, `dynamic:4`, `linear:2.5` ... (`model.config.parse_scaling`)."""
+        scaling = parse_scaling(text)
+        return cls(scaling.type, scaling.factor)
 
 
 @dataclass

@@ -16,10 +16,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from generate import sample
+from model.config import parse_scaling
 from train.checkpoint import CheckpointError
 from train.config import one_line
-from train.export import check_device
-from train.export_hf import ExportError, parse_scaling
+from train.load import check_device
 
 USAGE = """usage: python -m generate run=<run dir or checkpoint> [prompt="..."] [key=value ...]
   keys: max_new_tokens=128 temperature=0.8 top_k=0 (0: off) top_p=1.0 seed=0 greedy=false
@@ -112,11 +112,11 @@ def read_prompt(stream) -> str:
 
 
 def quiet_load(run: str, device: str):
-    """`train.export.load_model` without DeepSpeed's progress lines on stdout and stderr, which
+    """`train.load.load_model` without DeepSpeed's progress lines on stdout and stderr, which
     would mix with the streamed text."""
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        from train.export import load_model
+        from train.load import load_model
 
         model, _, tokenizer = load_model(run, device=device)
     return model, tokenizer
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = opts.prompt if opts.prompt is not None else read_prompt(sys.stdin)
         model, tokenizer = quiet_load(opts.run, opts.device)
         if scaling is not None:
-            model.set_rope_scaling(*scaling)
+            model.set_rope_scaling(scaling.type, scaling.factor)
         ids = [tokenizer.eos_id] + tokenizer.encode(prompt)
         printer = Printer(tokenizer)
         stop = tokenizer.eos_id if opts.stop_at_eos else None
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 printer.add(token)
         printer.add(None, final=True)
         print()
-    except (GenerateError, ExportError, CheckpointError, ValueError, OSError, RuntimeError) as error:
+    except (GenerateError, CheckpointError, ValueError, OSError, RuntimeError) as error:
         print(f"error: {one_line(error)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -50,6 +50,23 @@ class RopeScaling:
             )
 
 
+def parse_scaling(spec: str) -> RopeScaling:
+    """`none` or `type:factor` (linear | ntk | dynamic | yarn, factor >= 1), e.g. `dynamic:4`: the one
+    syntax of eval's `scalings`, generate's and the exporter's `rope_scaling=`."""
+    kind, _, factor = spec.partition(":")
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"scaling {spec!r}: type {kind!r} is not one of {', '.join(ROPE_SCALINGS)}")
+    if kind == "none":
+        return RopeScaling()
+    try:
+        value = float(factor)
+    except ValueError:
+        raise ValueError(f"scaling {spec!r}: write type:factor, e.g. dynamic:4") from None
+    if not value >= 1.0:
+        raise ValueError(f"scaling {spec!r}: factor must be >= 1")
+    return RopeScaling(kind, value)
+
+
 @dataclass
 class ModelConfig:
     """A GPT-NeoX-style decoder (parallel residual, rotate-half RoPE, untied embeddings, GELU).

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
 from dataclasses import replace
 
 import torch
@@ -18,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig, RopeScaling
 from .loss import linear_cross_entropy_sum, token_losses
+from .sampling import check_sampling, next_token
 from .transforms import Rope, RopeTables
 
 
@@ -195,6 +197,39 @@ class GPT(nn.Module):
         return capture
 
     @torch.no_grad()
+    def stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        greedy: bool = False,
+        seed: int | None = None,
+        stop: Collection[int] = (),
+    ) -> Iterator[torch.Tensor]:
+        """The decoding loop: yield the next token [B] of each row of idx [B, T], one step at a time
+        over a KV cache, for `max_new_tokens` steps or until every row has produced a `stop` id (a
+        row that stopped keeps going until then: the caller cuts it).
+
+        Greedy takes the argmax; otherwise the logits / temperature, filtered by top_k and top_p,
+        are sampled with a generator seeded with `seed` (None: torch's global generator), so a seed
+        always gives the same tokens.
+        """
+        check_sampling(temperature, top_k, top_p, greedy)
+        generator = None if seed is None else torch.Generator(device=idx.device).manual_seed(seed)
+        stop_ids = torch.tensor(sorted(stop), dtype=idx.dtype, device=idx.device)
+        stopped = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        cache = KVCache(self.cfg.n_layer)
+        logits = self.lm_head(self.hidden_states(idx, cache)[:, -1])
+        for step in range(max_new_tokens):
+            token = next_token(logits, temperature, top_k, top_p, greedy, generator)
+            yield token
+            stopped |= torch.isin(token, stop_ids)
+            if step + 1 == max_new_tokens or bool(stopped.all()):
+                return
+            logits = self.lm_head(self.hidden_states(token[:, None], cache)[:, -1])
+
     def generate(
         self,
         idx: torch.Tensor,
@@ -202,24 +237,10 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         greedy: bool = False,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Collection[int] = (),
     ) -> torch.Tensor:
-        """Continue idx [B, T] by max_new_tokens tokens with a KV cache; returns [B, T + new]."""
-        if not greedy and temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (or use greedy=True)")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k={top_k} must be >= 1")
-        cache = KVCache(self.cfg.n_layer)
-        logits = self.lm_head(self.hidden_states(idx, cache)[:, -1])
-        for step in range(max_new_tokens):
-            if greedy:
-                token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits.float() / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, token), dim=1)
-            if step + 1 < max_new_tokens:
-                logits = self.lm_head(self.hidden_states(token, cache)[:, -1])
-        return idx
+        """idx [B, T] continued by `stream` (same arguments): [B, T + the steps taken]."""
+        steps = self.stream(idx, max_new_tokens, temperature, top_k, top_p, greedy, seed, stop)
+        return torch.cat([idx, *(token[:, None] for token in steps)], dim=1)

@@ -17,7 +17,7 @@ from data.documents import long_documents
 from data.tasks import make_cases
 from eval import report
 from eval.__main__ import compose_config, main
-from train.export import load_model
+from train.load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 L0 = 32  # the micro experiment's training length

@@ -1,4 +1,4 @@
-"""Hugging Face export (`train.export_hf`): the exported directory, loaded through `AutoTokenizer` and
+"""Hugging Face export (`hf.export`): the exported directory, loaded through `AutoTokenizer` and
 `AutoModelForCausalLM`, gives our token ids, our logits (1e-5, fp32) and our greedy tokens, for
 Origin (plain GPTNeoXForCausalLM), ALiBi and CoCA slack / strict (remote code).
 
@@ -22,8 +22,8 @@ from data.sources import stdlib_files, stdlib_root
 from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 from model import GPT, ModelConfig
-from train.export import load_model
-from train.export_hf import ExportError, export_hf
+from train.load import load_model
+from hf.export import ExportError, export_hf
 from train.export_hf import main as export_main
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -140,7 +140,7 @@ def test_overwrite_replaces_only_a_previous_export_and_a_failure_keeps_it(tokeni
     """The export is written beside `out` and renamed in: a failure half-way leaves the previous
     export as it was (and no temporary folder); overwrite=true replaces an export, and only one
     that holds nothing but what the export wrote."""
-    import train.export_hf as export_module
+    import hf.export as export_module
 
     out = tmp_path / "hf"
     export_hf(random_model(tokenizer, "origin"), tokenizer, out)
@@ -273,7 +273,7 @@ def test_zero3_export_loads_without_this_project(zero3, tmp_path):
     run, out = zero3
     assert sorted(p.name for p in out.iterdir()) == [
         "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors",
-        "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json"]
+        "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json", "transforms.py"]
     source = Path(json.__file__).with_name("decoder.py")  # any long text: the stdlib's own
     result = tmp_path / "hf.pt"
     _ok(subprocess.run([sys.executable, "-I", "-c", LOADER, str(REPO), str(out), str(result), str(source)],

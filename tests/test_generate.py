@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from generate import filter_logits, sample
+from generate import sample
 from generate.__main__ import Printer, main
 from model import GPT, ModelConfig
-from train.export import load_model
+from model.sampling import filter_logits
+from train.load import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from train import checkpoint
 from train.checkpoint import CheckpointError
 from train.config import TrainConfig
-from train.export import TOKENIZER_FILE
+from train.load import TOKENIZER_FILE
 
 HONOUR, REFUSE = "honour", "refuse"
 

@@ -1,15 +1,16 @@
 """Hugging Face modelling code for coca-lm's ALiBi and CoCA models, shipped inside every exported
 directory and loaded with `trust_remote_code=True`.
 
-It imports only `torch` and `transformers`, so a user needs neither this project nor its config
-tree. The math is that of the training code (coca-lm `model/attention.py`, `model/rope.py`):
+It imports only `torch`, `transformers` and `transforms.py`, which the export writes beside it: that
+file is coca-lm's own `model/transforms.py` (RoPE and its scalings, CoCA's q/k transforms, ALiBi's
+slopes and bias), so the exported model runs the training code's math, not a copy, and a user
+needs neither this project nor its config tree:
 
     alibi        scores = q k^T / sqrt(D) - slope_h * (m - n)
     coca slack   q_eff = q * rope(q, m)              k_eff = rope(t, n)
     coca strict  q_eff = rope([|q_j|^2, 0], m)       k_eff = rope([t_j, 0], n)
 
-with CoCA's t the K projection tied per rotary pair and ReLU'd. RoPE angles are computed in float64
-for the positions and length processed, then cast, exactly as in training. Attention runs on
+with CoCA's t the K projection tied per rotary pair and ReLU'd. Attention runs on
 `scaled_dot_product_attention` (ALiBi: over chunks of query rows with an additive bias, so memory
 stays linear in the length). The KV cache holds k_eff and v; under dynamic NTK, `generate` rebuilds
 it when the base changes (every cached key depends on the base), as coca-lm's own `generate` does.
@@ -17,8 +18,7 @@ it when the base changes (every cached key depends on the base), as coca-lm's ow
 
 from __future__ import annotations
 
-import math
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,8 @@ try:
     from transformers import PreTrainedConfig
 except ImportError:  # transformers < 5
     from transformers import PretrainedConfig as PreTrainedConfig
+
+from .transforms import Rope, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie
 
 ALIBI_CHUNK = 256  # query rows per chunk of the ALiBi bias [H, rows, keys]
 # The output's cache field: `cache` from transformers 5.2x on, `past_key_values` before.
@@ -81,103 +83,34 @@ class CocaLMConfig(PreTrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
 
-# ---- position: RoPE tables and ALiBi slopes --------------------------------------------------------
+# ---- position: RoPE from rope_parameters ---------------------------------------------------------
 
 
-class Rope:
-    """cos/sin tables [T, r] for positions under rope_parameters, in float64 then cast."""
+@dataclass(frozen=True)
+class RopeScaling:
+    """`transforms.Rope`'s scaling (type none | linear | dynamic | yarn) from `rope_parameters`."""
 
-    def __init__(self, config: CocaLMConfig):
-        p = config.rope_parameters
-        head_dim = config.hidden_size // config.num_attention_heads
-        self.dims = int(head_dim * p.get("partial_rotary_factor", 1.0))
-        self.type = p.get("rope_type", "default")
-        if self.type not in ("default", "linear", "dynamic", "yarn"):
-            raise ValueError(f"rope_parameters.rope_type={self.type!r} is not one of default, linear, dynamic, yarn")
-        self.base = float(p.get("rope_theta", 10000.0))
-        self.factor = float(p.get("factor") or 1.0)
-        self.beta_fast = float(p.get("beta_fast") or 32.0)
-        self.beta_slow = float(p.get("beta_slow") or 1.0)
-        self.train_len = config.max_position_embeddings
-
-    def base_at(self, length: int) -> float:
-        """The base when `length` tokens are processed (only dynamic NTK varies with length)."""
-        r = self.dims
-        if self.type == "dynamic" and length > self.train_len:
-            return self.base * (self.factor * length / self.train_len - (self.factor - 1)) ** (r / (r - 2))
-        return self.base
-
-    def tables(self, positions: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        r = self.dims
-        inv = self.base_at(length) ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
-        scale = 1.0
-        if self.type == "linear":
-            inv = inv / self.factor
-        elif self.type == "yarn":
-            inv = self._yarn(inv)
-            scale = 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
-        angles = positions.to(torch.float64)[..., None] * inv.to(positions.device)
-        angles = torch.cat((angles, angles), dim=-1)
-        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
-
-    def _yarn(self, inv: torch.Tensor) -> torch.Tensor:
-        r = self.dims
-
-        def pair_at(rotations: float) -> float:
-            return r * math.log(self.train_len / (rotations * 2 * math.pi)) / (2 * math.log(self.base))
-
-        low = max(math.floor(pair_at(self.beta_fast)), 0)
-        high = min(math.ceil(pair_at(self.beta_slow)), r - 1)
-        ramp = (torch.arange(r // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
-        keep = 1.0 - ramp.clamp(0.0, 1.0)
-        return inv / self.factor * (1.0 - keep) + inv * keep
+    type: str
+    factor: float
+    beta_fast: float
+    beta_slow: float
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the leading r dims of x [..., T, D], rotate-half pairing (j with j + r/2)."""
-    r = cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    half = r // 2
-    out = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
-
-
-def alibi_slopes(n_head: int) -> torch.Tensor:
-    """Press et al.'s head slopes (float64), with their rule for a head count not a power of 2."""
-
-    def power_of_2(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
-        return [start ** (i + 1) for i in range(n)]
-
-    if math.log2(n_head).is_integer():
-        return torch.tensor(power_of_2(n_head), dtype=torch.float64)
-    closest = 2 ** math.floor(math.log2(n_head))
-    extra = alibi_slopes(2 * closest)[0::2][: n_head - closest]
-    return torch.cat((torch.tensor(power_of_2(closest), dtype=torch.float64), extra))
+def rope_from_config(config: CocaLMConfig) -> Rope:
+    """RoPE under `config.rope_parameters` (rope_type default is our none; a static NTK base is
+    exported as default with the scaled `rope_theta`)."""
+    p = config.rope_parameters
+    kind = p.get("rope_type", "default")
+    if kind not in ("default", "linear", "dynamic", "yarn"):
+        raise ValueError(f"rope_parameters.rope_type={kind!r} is not one of default, linear, dynamic, yarn")
+    scaling = RopeScaling("none" if kind == "default" else kind, float(p.get("factor") or 1.0),
+                          float(p.get("beta_fast") or 32.0), float(p.get("beta_slow") or 1.0))
+    head_dim = config.hidden_size // config.num_attention_heads
+    return Rope(int(head_dim * p.get("partial_rotary_factor", 1.0)), float(p.get("rope_theta", 10000.0)),
+                config.max_position_embeddings, scaling)
 
 
 # ---- attention -------------------------------------------------------------------------------------
-
-
-def coca_tie(t: torch.Tensor, rotary_dims: int) -> torch.Tensor:
-    half = rotary_dims // 2
-    tied = F.relu((t[..., :half] + t[..., half:rotary_dims]) / 2)
-    return torch.cat((tied, tied, F.relu(t[..., rotary_dims:])), dim=-1)
-
-
-def coca_slack_qk(q, t, cos, sin):
-    return q * apply_rope(q, cos, sin), apply_rope(t, cos, sin)
-
-
-def coca_strict_qk(q, t, cos, sin):
-    half = cos.shape[-1] // 2
-    r = 2 * half
-    cos, sin = cos[..., :half], sin[..., :half]
-    sq = q[..., :half] ** 2 + q[..., half:r] ** 2
-    th = t[..., :half]
-    q_eff = torch.cat((sq * cos, sq * sin, q[..., r:] ** 2), dim=-1)
-    k_eff = torch.cat((th * cos, th * sin, t[..., r:]), dim=-1)
-    return q_eff, k_eff
 
 
 def causal_sdpa(q, k, v, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -217,7 +150,7 @@ def alibi_sdpa(q, k, v, key_mask: torch.Tensor | None) -> torch.Tensor:
         allowed = n <= m
         if key_mask is not None:
             allowed = _with_keys(allowed, key_mask[:, : offset + end], offset + start)
-        bias = (-slopes * (m - n)).to(q.dtype).masked_fill(~allowed, torch.finfo(q.dtype).min)
+        bias = alibi_bias(slopes, m, n, allowed, q.dtype)
         out.append(F.scaled_dot_product_attention(q[..., start:end, :], k[..., : offset + end, :],
                                                   v[..., : offset + end, :], attn_mask=bias))
     return torch.cat(out, dim=-2)
@@ -240,7 +173,7 @@ class CocaLMAttention(nn.Module):
         q, k, v = self.query_key_value(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
         if self.attention == "coca":
             t = coca_tie(k, self.rotary_dims)
-            q, k = (coca_slack_qk if self.form == "slack" else coca_strict_qk)(q, t, *rope)
+            q, k = (coca_slack_qk if self.form == "slack" else coca_strict_qk)(q, t, rope)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         y = alibi_sdpa(q, k, v, key_mask) if self.attention == "alibi" else causal_sdpa(q, k, v, key_mask)
@@ -298,7 +231,7 @@ class CocaLMModel(CocaLMPreTrainedModel):
         self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(CocaLMLayer(config, i) for i in range(config.num_hidden_layers))
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.rope = Rope(config) if config.attention == "coca" else None
+        self.rope = rope_from_config(config) if config.attention == "coca" else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

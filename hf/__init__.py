@@ -1,0 +1,7 @@
+"""Everything Hugging Face: the exporter (`hf.export`), the one parameter-name map (`hf.names`) and
+the remote-code model an export ships (`modeling_coca_lm.py`, a file copied into exports beside
+`model/transforms.py`, imported there as `.transforms`; it is not a module of this package).
+
+Below train in the import graph: it never reads a run's checkpoint (that is `train.load`), so train
+can build on it.
+"""

@@ -1,0 +1,252 @@
+"""Write a trained model as a self-contained Hugging Face model directory (`export_hf`).
+
+The directory holds `config.json`, `model.safetensors` (our parameters under GPT-NeoX's names,
+`hf.names`), `generation_config.json`, the SentencePiece model as a `tokenizer.json` that
+`AutoTokenizer` loads (standard `PreTrainedTokenizerFast`, same ids as `data.tokenizer.Tokenizer`),
+and the marker `coca_lm_export.json` listing these files.
+
+- origin: a plain `GPTNeoXForCausalLM` (no custom code).
+- alibi, coca slack, coca strict: also `modeling_coca_lm.py` (beside this file) and `transforms.py`
+  (a copy of `model/transforms.py`, the math the modeling file imports as `.transforms`), named in
+  `auto_map`; load with `trust_remote_code=True`. Both import only torch (and transformers).
+
+`out` must be new, empty, or (to replace it, with `overwrite`) a previous export holding only what
+the marker lists (`check_out`); the export is written into a temporary sibling and renamed in, so
+a failure leaves the previous export or nothing. What a run or a checkpoint looks like is train's
+knowledge: `python -m train.export_hf` refuses those places before calling this.
+
+RoPE scalings map onto transformers' `rope_parameters`: none -> default, linear -> linear,
+dynamic -> dynamic, yarn -> yarn (`original_max_position_embeddings` = training length), ntk (a
+static base) -> default with `rope_theta` = the scaled base.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from data.config import check_dir
+from data.tokenizer import Tokenizer
+from hf.names import hf_state_dict
+from model import GPT, ModelConfig, transforms
+
+# The remote code of the ALiBi and CoCA exports: the modeling file and the math it imports.
+REMOTE_CODE = (Path(__file__).with_name("modeling_coca_lm.py"), Path(transforms.__file__))
+EXPORT_MARKER = "coca_lm_export.json"  # names what the export wrote: overwrite=true replaces only that
+
+
+class ExportError(Exception):
+    """Bad input to the export, reported as one line."""
+
+
+def rope_parameters(m: ModelConfig) -> dict:
+    """transformers' `rope_parameters` for our RoPE settings (see the module docstring)."""
+    s = m.rope_scaling
+    params = {"rope_type": "default", "rope_theta": float(m.rope_base), "partial_rotary_factor": float(m.rotary_pct)}
+    if s.type == "ntk":
+        rope = transforms.Rope(m.rotary_dims, m.rope_base, m.max_seq_len, s)
+        params["rope_theta"] = rope.base_at(m.max_seq_len)
+    elif s.type in ("linear", "dynamic"):
+        params.update(rope_type=s.type, factor=float(s.factor))
+    elif s.type == "yarn":
+        params.update(rope_type="yarn", factor=float(s.factor), beta_fast=float(s.beta_fast),
+                      beta_slow=float(s.beta_slow), original_max_position_embeddings=m.max_seq_len)
+    return params
+
+
+def hf_config(m: ModelConfig, tokenizer: Tokenizer) -> dict:
+    """config.json: GPT-NeoX fields; the custom models add `attention`, `coca_form` and `auto_map`."""
+    config = {
+        "vocab_size": m.vocab_size, "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
+        "num_attention_heads": m.n_head, "intermediate_size": m.ffn_hidden, "hidden_act": "gelu",
+        "max_position_embeddings": m.max_seq_len, "layer_norm_eps": m.layernorm_eps,
+        "use_parallel_residual": m.parallel_residual, "tie_word_embeddings": m.tie_embeddings,
+        "attention_bias": True, "initializer_range": m.init_std, "use_cache": True, "torch_dtype": "float32",
+        "bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
+        "rope_parameters": rope_parameters(m),
+    }
+    if m.attention == "origin":  # + the pre-5.0 names of the RoPE fields, for older transformers
+        rope = config["rope_parameters"]
+        legacy = {"rotary_pct": m.rotary_pct, "rotary_emb_base": rope["rope_theta"],
+                  "rope_scaling": rope if rope["rope_type"] != "default" else None}
+        return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **config, **legacy}
+    if m.attention == "alibi":
+        del config["rope_parameters"]
+    return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "attention": m.attention,
+            "coca_form": m.coca_form, **config,
+            "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
+                         "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
+
+
+def _tokenizer_proto(tokenizer: Tokenizer):
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(tokenizer.path).read_bytes())
+    return proto
+
+
+def tokenizer_refusal(tokenizer: Tokenizer) -> str | None:
+    """Why `save_tokenizer` cannot write this SentencePiece model as a `tokenizer.json` that encodes
+    exactly as `data.tokenizer` does, or None. Ours (`data.tokenizer.train_tokenizer`) always fits;
+    a `data.tokenizer.model_path` of another origin may not (a unigram model, a normalization rule,
+    a dummy prefix): it is refused rather than exported to encode differently."""
+    proto = _tokenizer_proto(tokenizer)
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    unsupported = [
+        (trainer.model_type != trainer.BPE,
+         f"model_type={trainer.ModelType.Name(trainer.model_type)} (not BPE)"),
+        (not trainer.byte_fallback, "byte_fallback=false"),
+        (bool(norm.precompiled_charsmap) or norm.name not in ("identity", ""),
+         f"normalization_rule_name={norm.name!r} (not identity)"),
+        (norm.add_dummy_prefix, "add_dummy_prefix=true"),
+        (norm.remove_extra_whitespaces, "remove_extra_whitespaces=true"),
+        (not norm.escape_whitespaces, "escape_whitespaces=false"),
+        (trainer.treat_whitespace_as_suffix, "treat_whitespace_as_suffix=true"),
+    ]
+    found = [what for bad, what in unsupported if bad]
+    if not found:
+        return None
+    return (f"tokenizer {tokenizer.path} has {', '.join(found)}: the export writes tokenizer.json only "
+            "for SentencePiece BPE models trained like data.tokenizer's (identity normalization, no dummy "
+            "prefix, byte fallback), so that it encodes exactly as ours")
+
+
+def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    """tokenizer.json (BPE with byte fallback, no pre-tokenizer, spaces as U+2581) + its config.
+
+    Our SentencePiece model is BPE with identity normalization and no dummy prefix, so the same
+    model in the `tokenizers` library is: replace " " by U+2581, then BPE whose merge ranks follow
+    the piece scores. SentencePiece's user-defined pieces (the digit groups of
+    `data.tokenizer.digit_group` 2 and 3) are matched first, longest first, and never merged:
+    added tokens (not special, matched in the raw text) do the same, as in transformers'
+    `SpmConverter`. Control pieces are special tokens, never matched inside text
+    (`split_special_tokens`), as in SentencePiece. One difference remains: a literal U+2581 in the
+    text is the space piece here, where `data.tokenizer` encodes it as its three bytes.
+    A model that this cannot express is refused (`tokenizer_refusal`).
+    """
+    from tokenizers import AddedToken, decoders, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    refusal = tokenizer_refusal(tokenizer)
+    if refusal:
+        raise ExportError(refusal)
+    proto = _tokenizer_proto(tokenizer)
+    kinds = proto.SentencePiece.Type
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    normal = [(i, p.piece) for i, p in enumerate(proto.pieces) if p.type == kinds.NORMAL]
+    merges = []
+    for _, piece in sorted(normal, key=lambda x: (-proto.pieces[x[0]].score, x[0])):
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+        known = (s for s in splits if s[0] in vocab and s[1] in vocab)
+        merges += sorted(known, key=lambda s: (vocab[s[0]], vocab[s[1]]))
+    model = BPE(vocab=vocab, merges=merges, unk_token=proto.pieces[tokenizer.unk_id].piece, byte_fallback=True,
+                fuse_unk=True)
+    backend = HFTokenizer(model)
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    special_ids = {tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id}
+    special_ids |= {i for i, p in enumerate(proto.pieces) if p.type == kinds.CONTROL}
+    backend.add_special_tokens([AddedToken(proto.pieces[i].piece, special=True, normalized=False)
+                                for i in sorted(special_ids)])
+    backend.add_tokens([AddedToken(p.piece, special=False, normalized=False)
+                        for p in proto.pieces if p.type == kinds.USER_DEFINED])
+    eos = proto.pieces[tokenizer.eos_id].piece
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=eos, eos_token=eos, unk_token=proto.pieces[tokenizer.unk_id].piece,
+        pad_token=proto.pieces[tokenizer.pad_id].piece, split_special_tokens=True,
+        clean_up_tokenization_spaces=False, model_max_length=int(1e30),
+    )
+    hf.save_pretrained(out)
+
+
+def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: bool = False,
+              checkpoint: str | Path | None = None) -> Path:
+    """Write `model` (fp32) and `tokenizer` as a Hugging Face model directory at `out`.
+
+    `out` must be new, empty, or (with `overwrite`) a previous export (`check_out`). The files
+    are written into a temporary sibling, which then replaces `out`: a failure leaves the old
+    export or nothing. `checkpoint` is recorded in the export's marker.
+    """
+    out = Path(out)
+    check_out(out, overwrite)
+    m = model.cfg
+    if tokenizer.vocab_size != m.vocab_size:
+        raise ExportError(f"tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={m.vocab_size}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export_tmp_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover (a pid is reused only once it ended)
+    tmp.mkdir()
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config(m, tokenizer), indent=2) + "\n")
+        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        generation = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id,
+                      "pad_token_id": tokenizer.pad_id, "do_sample": False}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if m.attention != "origin":
+            for code in REMOTE_CODE:
+                shutil.copyfile(code, tmp / code.name)
+        save_tokenizer(tokenizer, tmp)
+        files = sorted([p.name for p in tmp.iterdir()] + [EXPORT_MARKER])
+        marker = {"written_by": "python -m train.export_hf", "files": files,
+                  "checkpoint": str(checkpoint) if checkpoint else None}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        _replace(out, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace(out: Path, new: Path) -> None:
+    """Rename the complete export `new` to `out`; a previous export (checked) is moved aside first."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = out.parent / f".{out.name}.export_old_{os.getpid()}"
+    os.replace(out, old)
+    os.replace(new, out)
+    shutil.rmtree(old)
+
+
+def _previous_export(out: Path) -> list[str] | None:
+    """The names listed in `out`'s export marker, if `out` holds one that parses."""
+    try:
+        files = json.loads((out / EXPORT_MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return files if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written, an `out` whose replacement could lose what the export did
+    not write: a symbolic link, a file, a non-empty directory that is not a previous export, a
+    previous export (without `overwrite`, or holding other files), or a place where the temporary
+    sibling cannot be written."""
+    target = out.expanduser().absolute()
+    if target.is_symlink():
+        raise ExportError(f"out={out} is a symbolic link: give out= the directory itself")
+    check_dir(target.parent, "out's parent")
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"out={out} is a file, not a directory: give out= a directory path")
+    if not target.exists() or not any(target.iterdir()):
+        return
+    held = sorted(p for p in target.iterdir())
+    listed = _previous_export(target)
+    if listed is None:
+        raise ExportError(f"out={out} exists and is not empty, and is not an export written by this command "
+                          f"(no {EXPORT_MARKER}): overwrite=true replaces only a previous export; "
+                          "give out= a new or empty directory")
+    if not overwrite:
+        raise ExportError(f"out={out} exists and is not empty: a previous export "
+                          "(add overwrite=true to replace it)")
+    foreign = [p.name for p in held if p.name not in listed or not p.is_file() or p.is_symlink()]
+    if foreign:
+        raise ExportError(f"out={out} is a previous export but also holds {', '.join(foreign[:3])}, which "
+                          "the export did not write: move them away or give out= another directory")

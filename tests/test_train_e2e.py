@@ -23,12 +23,12 @@ import torch
 from omegaconf import OmegaConf
 
 from model import GPT
+from run_checks import clean_env, error_line, losses, ok, records, val_losses
 from train.checkpoint import complete_checkpoints, step_dir
 from train.config import to_train_config
 from train.engine import param_groups
-from train.export import load_model
+from train.load import load_model
 from train.schedule import lr_at
-from run_checks import error_line, losses, ok, records, val_losses
 from wandb_records import history as wandb_history
 
 pytestmark = pytest.mark.slow
@@ -43,24 +43,18 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"  # the test machine's cores are shared
-    return env
-
-
 def _command(run_dir: Path, cache: Path, overrides: tuple[str, ...]) -> list[str]:
     return [*MICRO, f"run_dir={run_dir}", f"data.cache_dir={cache}", *overrides]
 
 
 def train(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "train", *_command(run_dir, cache, overrides)], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+                          env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def start(run_dir: Path, cache: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "train", *_command(run_dir, cache, overrides)], cwd=REPO,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def blocks(run_dir: Path) -> list[str]:
@@ -80,8 +74,23 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int) -> None:
 def reference(tmp_path_factory, cache) -> Path:
     """An uninterrupted 30-step run with W&B offline (the baseline every resume must reproduce)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    ok(train(run_dir, cache, "logger.wandb=offline"))
+    result = ok(train(run_dir, cache, "logger.wandb=offline"))
+    (run_dir.parent / "train.stderr").write_text(result.stderr)
     return run_dir
+
+
+def test_a_finished_run_says_what_it_did_and_a_resume_of_it_that_it_is_complete(reference, cache):
+    stderr = (reference.parent / "train.stderr").read_text()
+    newest = complete_checkpoints(reference)[-1]
+    assert "done: 30 steps, 3,840 tokens in " in stderr
+    assert f"final val_loss {val_losses(reference)[30]:.4f}; checkpoint {newest}" in stderr
+    assert f"next: python -m eval run={reference}" in stderr
+    before = {p: p.stat().st_mtime_ns for p in reference.rglob("*")}
+    result = ok(train(reference, cache, "resume=auto", "logger.progress=true"))
+    assert result.stderr.strip().splitlines() == [
+        f"run {reference} is complete (step_00000030, max_steps=30): nothing to train; raise max_steps to "
+        f"continue it, or evaluate it: python -m eval run={reference}"]
+    assert {p: p.stat().st_mtime_ns for p in reference.rglob("*")} == before
 
 
 def test_end_to_end_run_dir(reference):
@@ -220,6 +229,18 @@ def test_bad_override_exits_with_one_line(cache, tmp_path):
     assert result.stderr.strip().splitlines() == [error_line(result)] and "optim.lr" in error_line(result)
 
 
+def test_run_dir_that_is_a_file_is_one_line_before_anything_is_written(tmp_path):
+    """Checked first: before the tokenizer is trained into the (empty) cache, before DeepSpeed."""
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    run_dir.write_text("not a folder")
+    cache.mkdir()
+    result = train(run_dir, cache)
+    assert result.returncode == 1
+    assert error_line(result) == f"error: run_dir {run_dir} is a file, not a folder: choose another run_dir"
+    assert "Traceback" not in result.stderr
+    assert list(cache.iterdir()) == [] and run_dir.read_text() == "not a folder"
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -235,7 +256,7 @@ def deepspeed_command(run_dir: Path, cache: Path, *overrides: str) -> list[str]:
 
 
 def train_two_ranks(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(deepspeed_command(run_dir, cache, *overrides), cwd=REPO, env=_env(), capture_output=True,
+    return subprocess.run(deepspeed_command(run_dir, cache, *overrides), cwd=REPO, env=clean_env(), capture_output=True,
                           text=True, timeout=TIMEOUT)
 
 
@@ -362,7 +383,7 @@ def test_two_ranks_kill_then_resume(two_ranks, cache, tmp_path, stage):
     micro = {2: 1, 3: 2}[stage]
     overrides = (f"deepspeed=zero{stage}", f"micro_batch_size={micro}", *SHORT)
     proc = subprocess.Popen(deepspeed_command(run_dir, cache, *overrides, "debug.step_sleep_s=0.5"), cwd=REPO,
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         wait_for_step(proc, run_dir, 5)

@@ -8,7 +8,6 @@ layer, 32 tokens), seconds each on a free CPU.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -20,11 +19,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from run_checks import clean_env, error_line, losses, ok, records
 from train import checkpoint, resume
 from train.checkpoint import MARKER, CheckpointError, complete_checkpoints
 from train.config import TrainConfig, compose, to_train_config
 from train.schedule import lr_at
-from run_checks import error_line, losses, ok, records
 from wandb_records import history as wandb_history
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,12 +214,6 @@ def test_corrupt_checkpoint_names_the_older_sound_one(tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
@@ -231,7 +224,7 @@ def _args(run_dir: Path, cache: Path, overrides: tuple[str, ...]) -> list[str]:
 
 
 def train(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_args(run_dir, cache, overrides), cwd=REPO, env=_env(), capture_output=True, text=True,
+    return subprocess.run(_args(run_dir, cache, overrides), cwd=REPO, env=clean_env(), capture_output=True, text=True,
                           timeout=TIMEOUT)
 
 
@@ -328,3 +321,38 @@ def test_kill_during_prune_then_resume_leaves_no_debris_and_wandb_holds_every_st
         for key, value in record.items():
             if key != "step":
                 assert history[record["step"]][key] == value, (record["step"], key)
+
+
+# ---------------------------------------------------------------- a torn metrics log
+
+
+def test_torn_last_metrics_line_is_dropped_with_a_warning_and_a_bad_middle_line_named(tmp_path):
+    from train.metrics import records_up_to
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    path.write_text("\n".join(rows) + '\n{"step": 4, "lo')  # a power loss mid-write
+    kept, warning = records_up_to(path, 2)
+    assert kept == rows[:2]
+    assert warning is not None and str(path) in warning and "line 4" in warning and "\n" not in warning
+    assert records_up_to(path, 3) == (rows, warning)
+    path.write_text(rows[0] + '\n{"step": 2,\n' + rows[2] + "\n")
+    with pytest.raises(CheckpointError, match=rf"{path} line 2 does not parse"):
+        records_up_to(path, 3)
+    path.write_text("\n".join(rows) + "\n")
+    assert records_up_to(path, 3) == (rows, None)
+    assert records_up_to(tmp_path / "absent.jsonl", 3) == ([], None)
+
+
+@pytest.mark.slow
+def test_resume_after_a_torn_metrics_line_continues_bitwise(reference, cache, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    older = complete_checkpoints(run_dir)[0]
+    log = run_dir / "metrics.jsonl"
+    torn_line = len(log.read_text().splitlines()) + 1
+    with open(log, "a") as file:
+        file.write('{"step": 31, "loss": 2.')
+    result = ok(train(run_dir, cache, f"resume={older}", "logger.wandb=disabled"))
+    assert f"warning: dropped the torn last line {torn_line} of {log}" in result.stderr
+    assert losses(run_dir) == losses(reference)  # steps 26-30 again, bitwise; the torn row is gone

@@ -17,6 +17,7 @@ from train.distributed import strip_local_rank
 from train.engine import check_precision_supported, deepspeed_config, precision_refusal
 from train.flops import flops_per_token
 from train.metrics import wandb_mode
+from train.restore import checkpoint_to_resume
 from train.schedule import lr_at
 
 
@@ -139,19 +140,35 @@ def test_wandb_mode_follows_credentials(monkeypatch, tmp_path):
     assert wandb_mode("disabled") == "disabled"
 
 
-def test_fresh_run_refuses_to_overwrite_a_run(tmp_path):
-    from train.loop import _resume_checkpoint
+def test_wandb_falling_back_to_offline_says_so_once(monkeypatch, tmp_path, capsys):
+    from train.config import LoggerConfig
+    from train.metrics import Reporter
 
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for wandb, says in (("auto", True), ("offline", False)):
+        run_dir = tmp_path / wandb
+        run_dir.mkdir()
+        reporter = Reporter(LoggerConfig(wandb=wandb, progress=False), run_dir, "r", {}, enabled=True,
+                            resumed_step=0, kept_records=[], max_steps=1)
+        reporter.close()
+        notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("W&B offline")]
+        assert len(notices) == int(says), notices
+        assert (run_dir / "wandb").is_dir()
+
+
+def test_fresh_run_refuses_to_overwrite_a_run(tmp_path):
     run_dir = tmp_path / "run"
-    assert _resume_checkpoint(_cfg(f"run_dir={run_dir}")) is None
-    assert _resume_checkpoint(_cfg(f"run_dir={run_dir}", "resume=auto")) is None  # nothing yet: fresh start
+    assert checkpoint_to_resume(_cfg(f"run_dir={run_dir}")) is None
+    assert checkpoint_to_resume(_cfg(f"run_dir={run_dir}", "resume=auto")) is None  # nothing yet: fresh start
     done = run_dir / "checkpoints" / "step_00000005"
     done.mkdir(parents=True)
     (done / MARKER).write_text("{}")
     with pytest.raises(CheckpointError, match="resume=auto"):
-        _resume_checkpoint(_cfg(f"run_dir={run_dir}"))
-    assert _resume_checkpoint(_cfg(f"run_dir={run_dir}", "resume=auto")) == done
-    assert _resume_checkpoint(_cfg(f"run_dir={run_dir}", f"resume={done}")) == done
+        checkpoint_to_resume(_cfg(f"run_dir={run_dir}"))
+    assert checkpoint_to_resume(_cfg(f"run_dir={run_dir}", "resume=auto")) == done
+    assert checkpoint_to_resume(_cfg(f"run_dir={run_dir}", f"resume={done}")) == done
 
 
 @pytest.mark.parametrize(
@@ -176,3 +193,48 @@ def test_fp16_is_refused_on_every_cpu_and_bf16_accepted():
         check_precision_supported("fp16")
     check_precision_supported("bf16")
     check_precision_supported("fp32")
+
+
+def test_run_dir_that_cannot_be_written_is_one_line(tmp_path):
+    from errors import UserError, check_writable_dir
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(UserError, match="run_dir .*afile is a file, not a folder"):
+        check_writable_dir(afile, "run_dir")
+    with pytest.raises(UserError, match="cannot create run_dir .*afile/run/deeper: .*afile is a file"):
+        check_writable_dir(afile / "run" / "deeper", "run_dir")
+    check_writable_dir(tmp_path / "new" / "run", "run_dir")  # creatable
+    check_writable_dir(tmp_path, "run_dir")  # exists, writable
+    assert not (tmp_path / "new").exists()  # the check writes nothing
+
+
+def test_read_only_run_dir_and_parent_are_one_line(tmp_path):
+    """As a user without write permission: root ignores permission bits, so a root test runs the
+    check without the capabilities that let it (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH)."""
+    import shutil
+    import subprocess
+    import sys
+
+    locked = tmp_path / "locked"
+    (locked / "run").mkdir(parents=True)
+    locked.chmod(0o555)
+    (locked / "run").chmod(0o555)
+    tmp_path.chmod(0o755)
+    code = ("import sys; from errors import UserError, check_writable_dir\n"
+            "for path in sys.argv[1:]:\n"
+            "    try: check_writable_dir(path, 'run_dir'); print('ok')\n"
+            "    except UserError as error: print(error)\n")
+    command = [sys.executable, "-c", code, str(locked / "run"), str(locked / "new" / "run")]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv (util-linux) to drop CAP_DAC_OVERRIDE")
+        caps = "-dac_override,-dac_read_search"
+        command = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *command]
+    result = subprocess.run(command, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"run_dir {locked / 'run'} is not writable: fix its permissions or choose another run_dir",
+        f"cannot create run_dir {locked / 'new' / 'run'}: {locked} is not writable",
+    ]

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed's detection warning
     from train import distributed as dist
     from train.checkpoint import CheckpointError
+    from errors import UserError
     from train.loop import NonFiniteLossError, run
 
     try:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # SIGINT before run() takes over the signal (import, rendezvous)
         print("interrupted before training started: nothing to save", file=sys.stderr)
         return 128 + signal.SIGINT
-    except (ConfigError, CheckpointError, NonFiniteLossError, FileNotFoundError, ValueError) as error:
+    except (UserError, ConfigError, CheckpointError, NonFiniteLossError, FileNotFoundError, ValueError) as error:
         if os.environ.get("TRAIN_TRACEBACK"):
             traceback.print_exc()
         if isinstance(error, ConfigError):  # a verdict on the configuration, the same on every rank

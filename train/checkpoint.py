@@ -26,9 +26,9 @@ import torch
 from omegaconf import OmegaConf
 
 from train import distributed as dist
-from train.elastic import UNIVERSAL
 
 MARKER = "COMPLETE"
+UNIVERSAL = "universal"  # a checkpoint's ZeRO state re-sliceable for any world size (`train.elastic`)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^\.(tmp|trash)_step_\d{8}(_\d+)?$")
 # Fields that fix the parameter shapes and their meaning: a resume must not change them.
@@ -63,6 +63,13 @@ def find_checkpoint(path: str | Path) -> Path:
     if not found:
         raise CheckpointError(f"no complete checkpoint found in {path}")
     return found[-1]
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (the states `rng_state` saves)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from train import distributed as dist
-
-UNIVERSAL = "universal"
+from train.checkpoint import UNIVERSAL, CheckpointError
 
 
 def needs_universal(written_by: int, world_size: int, zero_stage: int) -> bool:
@@ -65,8 +64,6 @@ def _convert(ckpt: Path, out: Path) -> None:
         (ckpt / "latest_universal").unlink(missing_ok=True)  # the converter's pointer: we load by path
     except Exception as error:  # noqa: BLE001 - the converter raises assertions and many other types
         shutil.rmtree(out, ignore_errors=True)
-        from train.checkpoint import CheckpointError
-
         raise CheckpointError(
             f"checkpoint {ckpt}: converting it for another world size failed ({type(error).__name__}: "
             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); resume with the number of "

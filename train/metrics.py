@@ -15,14 +15,18 @@ import json
 import os
 import resource
 import sys
+import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 import torch
 from tqdm import tqdm
 
 from train.config import LoggerConfig
+from train.checkpoint import CheckpointError
+
 
 def peak_memory_gb() -> float:
     """Peak accelerator memory allocated, or the process's peak resident set on the CPU."""
@@ -46,16 +50,20 @@ class Reporter:
     """Writes metrics from rank 0; on other ranks every method is a no-op."""
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path, run_name: str, config: dict[str, Any],
-                 *, enabled: bool, resumed_step: int, max_steps: int):
+                 *, enabled: bool, resumed_step: int, kept_records: list[str], max_steps: int):
+        """`kept_records`: the lines of `metrics.jsonl` this run keeps (`records_up_to`)."""
         self.enabled = enabled
         self.wandb_run = None
         self.bar = None
         if not enabled:
             return
         self.path = run_dir / "metrics.jsonl"
-        _truncate_after(self.path, resumed_step)
+        self.path.write_text("".join(line + "\n" for line in kept_records))
         self.file = open(self.path, "a")
         mode = wandb_mode(cfg.wandb)
+        if mode == "offline" and cfg.wandb == "auto" and not os.environ.get("WANDB_MODE"):
+            self.message(f"W&B offline (no WANDB_API_KEY or `wandb login` here): the run is kept in "
+                         f"{run_dir / 'wandb'}; upload it later with `wandb sync`")
         if mode != "disabled":
             self.wandb_run = _init_wandb(cfg, run_dir, run_name, config, mode, resumed=resumed_step > 0)
             self._backfill()
@@ -106,12 +114,54 @@ class Reporter:
             self.wandb_run.finish(exit_code=exit_code)
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Drop records beyond `step` (written after the checkpoint a run resumes from)."""
+def records_up_to(path: Path, step: int) -> tuple[list[str], Optional[str]]:
+    """The lines of a run's `metrics.jsonl` at or before `step` (the rows after the checkpoint a
+    run resumes from are written again), and a warning if the last line was torn.
+
+    A last line that does not parse (a power loss or a full disk mid-write) is dropped with that
+    warning: the checkpoint is the truth. Any other line that does not parse is an error naming it.
+    """
     if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+        return [], None
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept, warning = [], None
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number < len(lines):
+                raise CheckpointError(f"{path} line {number} does not parse ({error}): "
+                                      "repair or delete that line, then resume again") from None
+            warning = f"warning: dropped the torn last line {number} of {path} ({error})"
+            continue
+        if record["step"] <= step:
+            kept.append(line)
+    return kept, warning
+
+
+class Throughput:
+    """Training tokens per second over the logging window (validation and saves are paused out),
+    and model FLOPs utilisation where the device's peak is known."""
+
+    def __init__(self, tokens: int, flops_per_token: float, peak_flops: Optional[float], world: int):
+        self.flops_per_token, self.peak, self.world = flops_per_token, peak_flops, world
+        self.start, self.tokens = time.perf_counter(), tokens
+
+    def measure(self, tokens: int) -> tuple[float, Optional[float]]:
+        """tokens/s and MFU since the last measurement; starts the next window."""
+        now = time.perf_counter()
+        rate = (tokens - self.tokens) / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, tokens
+        mfu = self.flops_per_token * rate / (self.peak * self.world) if self.peak else None
+        return rate, mfu
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
 
 
 def _init_wandb(cfg: LoggerConfig, run_dir: Path, run_name: str, config: dict[str, Any], mode: str,

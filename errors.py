@@ -1,0 +1,67 @@
+"""User errors: the one type every command reports as a single `error:` line, and its exit codes.
+
+This module sits at the bottom of the import graph (it imports nothing of the project), so any
+layer can raise a `UserError` without importing the layer that reports it.
+
+Exit codes, the same for every command: 0 done, 1 unusable input (a missing file, a bad
+checkpoint, an unwritable folder), 2 bad usage (an unknown key, a wrong type, a bad flag).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+EXIT_INPUT = 1
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """Something the user can fix; its message is one line that says what and how."""
+
+    exit_code = EXIT_INPUT
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of the root cause. Hydra and OmegaConf wrap errors and append hints; the
+    offending key (OmegaConf's `full_key`) is kept in front when the message lacks it."""
+    cause = error
+    while cause.__cause__ is not None and type(cause).__module__.split(".")[0] in ("hydra", "omegaconf"):
+        cause = cause.__cause__
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    message = lines[0] if lines else type(cause).__name__
+    key = getattr(cause, "full_key", None)
+    return f"{key}: {message}" if key and key not in message else message
+
+
+def first_line(error: BaseException) -> str:
+    """`Type: first line` of a library's exception, for a message that explains it (a corrupt file
+    read by torch, DeepSpeed's converter failing)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def report(error: BaseException, code: int | None = None, prefix: str = "") -> int:
+    """Print the one `error:` line on stderr; return the exit code (the error's own by default)."""
+    print(f"{prefix}error: {one_line(error)}", file=sys.stderr)
+    return code if code is not None else getattr(error, "exit_code", EXIT_INPUT)
+
+
+def check_writable_dir(path: str | Path, what: str) -> None:
+    """Refuse, before anything is read or written, a folder a command could not write: one that
+    is a file, one that exists but is not writable, or one whose nearest existing parent is not."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is a file, not a folder: choose another {what}")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UserError(f"{what} {path} is not writable: fix its permissions or choose another {what}")
+        return
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"cannot create {what} {path}: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot create {what} {path}: {parent} is not writable")

@@ -1,0 +1,257 @@
+"""The trainer: the components a run is made of, built once by `setup`, and one optimizer step.
+
+`setup` checks everything that can be checked (run directory, resume rules, the metrics log,
+tokenizer) before the run writes a file, then builds model, engine, loader and validator, restores
+a resumed run, and writes `config.yaml` and `deepspeed.json`. `Trainer.train_step` is one optimizer
+step: `grad_accum` micro-batches of forward/backward through the DeepSpeed engine, then one small
+all-reduce (mean loss, non-finite flag, stop request).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from data.loader import build_loader
+from data.synthetic import split_block
+from data.tokenizer import get_tokenizer
+from errors import check_writable_dir
+from model import GPT
+from train import checkpoint, resume
+from train import distributed as dist
+from train.checkpointer import Checkpointer, Progress
+from train.config import ConfigError, TrainConfig
+from train.engine import build_engine, deepspeed_config, resolve_precision
+from train.load import TOKENIZER_FILE, fp32_state_dict
+from train.faults import FaultInjector
+from train.flops import device_peak_flops, flops_per_token
+from train.metrics import Reporter, Throughput, peak_memory_gb, records_up_to
+from train.restore import checkpoint_to_resume, plan_resume, restore
+from train.schedule import lr_at
+from train.stop import StopRequest
+from train.validate import Validator
+
+MAX_CONSECUTIVE_SKIPS = 20  # with nonfinite=skip: a run that only produces NaN still stops
+
+
+class NonFiniteLossError(Exception):
+    """The training loss became NaN or infinite."""
+
+
+@dataclass
+class StepOutcome:
+    loss: float  # mean over micro-batches and ranks
+    lr: float  # what this step's update used
+    pre_step_norm: Optional[float]  # the gradient norm where DeepSpeed does not report one (ZeRO 0)
+    stopping: bool  # a stop request reached some rank
+
+
+@dataclass
+class Trainer:
+    cfg: TrainConfig
+    engine: Any
+    loader: Any
+    progress: Progress
+    validator: Validator
+    checkpointer: Checkpointer
+    reporter: Reporter
+    throughput: Throughput
+    faults: FaultInjector
+    stop: StopRequest
+    consecutive_skips: int = 0
+    val_loss: Optional[float] = None  # the newest validation loss
+    batches: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batches = iter(self.loader)
+
+    @property
+    def done(self) -> bool:
+        return self.progress.step >= self.cfg.max_steps
+
+    def train_step(self) -> StepOutcome:
+        cfg, engine, progress = self.cfg, self.engine, self.progress
+        lr = engine.get_lr()[0]
+        grad_accum = cfg.grad_accum(dist.world_size())
+        loss_sum, done, pre_step_norm = 0.0, 0, None
+        while done < grad_accum:
+            loss = self._micro_batch_loss()
+            if loss is None:
+                continue
+            engine.backward(loss)
+            if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
+                pre_step_norm = _grad_norm(engine.module)
+            engine.step()
+            loss_sum += loss.float().item()
+            done += 1
+        progress.step += 1
+        progress.tokens += cfg.batch_size * cfg.model.max_seq_len
+        loss_total, nonfinite, stopping = dist.all_reduce(
+            [loss_sum / grad_accum, float(not np.isfinite(loss_sum)), float(self.stop.signum > 0)]
+        )
+        if nonfinite:
+            raise NonFiniteLossError(
+                f"non-finite training loss at step {progress.step} "
+                f"(lr {lr_at(progress.step - 1, cfg.optim, cfg.max_steps):.3g}); "
+                "stopped without saving: the newest checkpoint holds the last good weights "
+                "(lower optim.lr, or set nonfinite=skip to drop such batches)"
+            )
+        self.faults.after_step()
+        return StepOutcome(loss_total / dist.world_size(), lr, pre_step_norm, bool(stopping))
+
+    def _micro_batch_loss(self) -> Optional[torch.Tensor]:
+        """The next micro-batch's loss, or None where `nonfinite=skip` drops it (on every rank)."""
+        step = self.progress.step + 1
+        batch = next(self.batches)
+        self.faults.on_batch(step, batch)
+        loss = self.faults.poison(step, self.engine(*split_block(batch.to(self.engine.device))))
+        if self.cfg.nonfinite != "skip" or not dist.all_reduce([float(not torch.isfinite(loss))], op="max")[0]:
+            self.consecutive_skips = 0
+            return loss
+        self.progress.skipped += 1
+        self.consecutive_skips += 1
+        self.reporter.message(f"skipped a batch with a non-finite loss at step {step}")
+        if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            raise NonFiniteLossError(
+                f"{self.consecutive_skips} consecutive batches gave a non-finite loss at step {step}; "
+                "stopping (lower optim.lr?)"
+            )
+        return None
+
+    def report(self, outcome: StepOutcome) -> None:
+        """A metrics record every `logger.log_every` steps and at the last; the progress bar always."""
+        step, last = self.progress.step, self.cfg.max_steps
+        if step % self.cfg.logger.log_every == 0 or step == last:
+            tokens_per_s, mfu = self.throughput.measure(self.progress.tokens)
+            norm = self.engine.get_global_grad_norm()
+            record = {"step": step, "loss": outcome.loss, "lr": outcome.lr, "tokens_seen": self.progress.tokens,
+                      "tokens_per_s": tokens_per_s,
+                      "grad_norm": outcome.pre_step_norm if norm is None else float(norm),
+                      "mem_gb": peak_memory_gb()}
+            if mfu is not None:
+                record["mfu"] = mfu
+            if self.progress.skipped:
+                record["skipped"] = self.progress.skipped
+            self.reporter.log(record)
+        self.reporter.progress(step, loss=f"{outcome.loss:.4f}", lr=f"{outcome.lr:.2e}")
+
+    def validate_if_due(self) -> None:
+        step = self.progress.step
+        if not self.validator.due(step):
+            return
+        val_loss = self.val_loss = self.validator(self.engine)
+        self.reporter.log({"step": step, "val_loss": val_loss, "val_ppl": float(np.exp(min(val_loss, 50.0))),
+                           "tokens_seen": self.progress.tokens})
+        self.reporter.message(f"step {step}: val_loss {val_loss:.4f}")
+
+
+def summary(trainer: Trainer, seconds: float) -> str:
+    """The end of a finished run in two lines: what it did, and the command to evaluate it."""
+    progress, cfg = trainer.progress, trainer.cfg
+    minutes, secs = divmod(round(seconds), 60)
+    val = f", final val_loss {trainer.val_loss:.4f}" if trainer.val_loss is not None else ""
+    return (f"done: {progress.step} steps, {progress.tokens:,} tokens in {minutes}m{secs:02d}s{val}; "
+            f"checkpoint {trainer.checkpointer.last_saved}\n"
+            f"next: python -m eval run={cfg.run_dir}")
+
+
+def _grad_norm(model: torch.nn.Module) -> float:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else float("nan")
+
+
+@dataclass
+class _Preflight:
+    """What `setup` learns before anything is written: every check that can fail does so here."""
+
+    resume_from: Optional[Path]
+    changed: list[str]  # the settings a resume changes (honoured), for the log
+    metrics_kept: list[str]
+    metrics_warning: Optional[str]
+    init_from: Optional[Path]
+    tokenizer: Any
+
+
+def _preflight(cfg: TrainConfig) -> _Preflight:
+    check_writable_dir(cfg.run_dir, "run_dir")
+    resume_from = checkpoint_to_resume(cfg)
+    changed = resume.check(resume_from, cfg) if resume_from is not None else []
+    step = checkpoint.marker(resume_from)["step"] if resume_from is not None else 0
+    kept, warning = records_up_to(Path(cfg.run_dir) / "metrics.jsonl", step) if dist.is_main() else ([], None)
+    init_from = checkpoint.find_checkpoint(cfg.init_from) if cfg.init_from else None
+    tokenizer = get_tokenizer(cfg.data)
+    if resume_from is not None:
+        resume.check_tokenizer(resume_from, tokenizer.path)
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={cfg.model.vocab_size}: "
+            "set data.tokenizer.vocab_size to match"
+        )
+    return _Preflight(resume_from, changed, kept, warning, init_from, tokenizer)
+
+
+def _build_model(cfg: TrainConfig, init_from: Optional[Path]) -> GPT:
+    checkpoint.seed_all(cfg.seed)
+    model = GPT(cfg.model)
+    if init_from is not None:
+        checkpoint.check_compatible(init_from, cfg.model)
+        model.load_state_dict(fp32_state_dict(init_from))
+    if cfg.compile:
+        model.compile_blocks()
+    return model
+
+
+def _write_run_files(cfg: TrainConfig, tokenizer) -> dict[str, bytes]:
+    """`config.yaml` and `deepspeed.json` into the run directory (rank 0); returns the files every
+    checkpoint carries (the resolved config and the tokenizer)."""
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    if dist.is_main():
+        run_dir = Path(cfg.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
+        (run_dir / "deepspeed.json").write_text(json.dumps(deepspeed_config(cfg, dist.world_size()), indent=2))
+    dist.barrier()
+    return {"config.yaml": config_yaml.encode(), TOKENIZER_FILE: Path(tokenizer.path).read_bytes()}
+
+
+def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
+    """Check, build, restore, then write the run's files and open its reporter."""
+    checked = _preflight(cfg)
+    faults = FaultInjector(cfg.debug)
+    model = _build_model(cfg, checked.init_from)
+    plan = plan_resume(checked.resume_from, cfg, checked.tokenizer, faults) if checked.resume_from else None
+    engine = build_engine(model, cfg, dist.world_size(), load_universal=plan is not None and plan.universal)
+    layout_step = plan.layout_step if plan else 0
+    loader = build_loader(cfg.data, checked.tokenizer, split="train", seq_len=cfg.model.max_seq_len,
+                          batch_size=cfg.micro_batch_size, rank=dist.rank(), world_size=dist.world_size(),
+                          layout_step=layout_step, carry=plan.carry if plan else None)
+    validator = Validator(cfg, checked.tokenizer)
+    if plan is not None:
+        progress = restore(plan, engine, loader, cfg)
+    else:
+        progress = Progress()
+        checkpoint.seed_all(cfg.seed + 1 + dist.rank())  # per-rank streams for anything random after init
+    files = _write_run_files(cfg, checked.tokenizer)
+    run_dir = Path(cfg.run_dir)
+    reporter = Reporter(cfg.logger, run_dir, cfg.name, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                        enabled=dist.is_main(), resumed_step=progress.step, kept_records=checked.metrics_kept,
+                        max_steps=cfg.max_steps)
+    faults.open_block_log(run_dir, progress.step)
+    if checked.metrics_warning:
+        reporter.message(checked.metrics_warning)
+    if checked.resume_from is not None:
+        reporter.message(f"resumed from {checked.resume_from} at step {progress.step}"
+                         + (f" with changed settings: {', '.join(checked.changed)}" if checked.changed else ""))
+    checkpointer = Checkpointer(engine, loader, run_dir, files, every=cfg.ckpt_every, last=cfg.max_steps,
+                                keep_last=cfg.keep_last, layout_step=layout_step, faults=faults,
+                                say=reporter.message)
+    peak = device_peak_flops(resolve_precision(cfg.deepspeed.precision), cfg.logger.peak_flops)
+    throughput = Throughput(progress.tokens, flops_per_token(cfg.model, cfg.model.max_seq_len), peak,
+                            dist.world_size())
+    return Trainer(cfg, engine, loader, progress, validator, checkpointer, reporter, throughput, faults, stop)

@@ -1,0 +1,55 @@
+"""Periodic validation: a fixed set of val-split batches, its loss a token mean over all ranks."""
+
+from __future__ import annotations
+
+from itertools import islice
+
+import torch
+
+from data.loader import build_loader
+from data.synthetic import split_block
+from train import distributed as dist
+from train.config import ConfigError, TrainConfig
+
+
+def val_batches(cfg: TrainConfig, tokenizer) -> list[torch.Tensor]:
+    """The first `eval_batches` batches of the val split on this rank, cut to the same count on
+    every rank (ZeRO-3 forwards are collective)."""
+    loader = build_loader(cfg.data, tokenizer, split="val", seq_len=cfg.model.max_seq_len,
+                          batch_size=cfg.micro_batch_size, rank=dist.rank(), world_size=dist.world_size())
+    batches = list(islice(loader, cfg.eval_batches))
+    count = int(dist.all_reduce([len(batches)], op="min")[0])
+    if count == 0:
+        raise ConfigError("the val split has no full block on some rank: "
+                          "use a larger corpus or smaller model.max_seq_len")
+    return batches[:count]
+
+
+@torch.no_grad()
+def evaluate(engine, batches: list[torch.Tensor]) -> float:
+    """Mean validation loss per token over all ranks."""
+    engine.eval()
+    loss_sum, tokens = 0.0, 0
+    for batch in batches:
+        inputs, targets = split_block(batch.to(engine.device))
+        loss = engine(inputs, targets)
+        counted = int((targets != -100).sum())
+        loss_sum += loss.float().item() * counted
+        tokens += counted
+    engine.train()
+    total, count = dist.all_reduce([loss_sum, tokens])
+    return total / count
+
+
+class Validator:
+    """Validates every `eval_every` steps and at the last one."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer):
+        self.every, self.last = cfg.eval_every, cfg.max_steps
+        self.batches = val_batches(cfg, tokenizer)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.last
+
+    def __call__(self, engine) -> float:
+        return evaluate(engine, self.batches)

@@ -1,10 +1,22 @@
-"""What the end-to-end training tests read back from a `python -m train` process and its run_dir."""
+"""What the end-to-end tests share: the environment their commands run in, and what they read back
+from a `python -m train` process and its run_dir."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
+
+# A launcher's variables (and W&B's) in the test's own environment would leak into the runs it starts.
+_LAUNCHER = ("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a command a test starts: no launcher or W&B variables, one torch thread
+    (the test machine's cores are shared), then `extra`."""
+    kept = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER)}
+    return {**kept, "OMP_NUM_THREADS": "1", **extra}
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

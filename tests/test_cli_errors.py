@@ -21,6 +21,7 @@ from data.tokenizer import Tokenizer, get_tokenizer
 from data.tokenizer import main as tokenizer_main
 from eval.__main__ import main as eval_main
 from eval.report import main as report_main
+from run_checks import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
@@ -216,12 +217,6 @@ def _sizes(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _train_env() -> dict[str, str]:
-    launcher = ("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
-    return {**env, "OMP_NUM_THREADS": "1"}
-
-
 MICRO = ["experiment=micro", "logger=none", "logger.progress=false"]
 
 
@@ -232,7 +227,7 @@ def runs(tmp_path_factory) -> Path:
     done = subprocess.run([sys.executable, "-m", "train", *MICRO, f"run_dir={root / 'runs' / 'micro'}",
                            f"data.cache_dir={root / 'cache'}", "max_steps=2", "ckpt_every=1", "eval_every=2",
                            "keep_last=2"],
-                          cwd=ROOT, env=_train_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "runs"
 
@@ -341,7 +336,7 @@ def test_train_error_after_setup_keeps_stdout_clear(tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "train", *MICRO, f"run_dir={run_dir}",
                            f"data.cache_dir={tmp_path}", "deepspeed.precision=fp16"],
-                          cwd=ROOT, env=_train_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     if torch.cuda.is_available():
         pytest.skip("fp16 is allowed on a GPU")
     assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr[-2000:])
@@ -361,7 +356,7 @@ def test_world_size_error_under_the_deepspeed_launcher_is_one_line(tmp_path):
     done = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "train",
                            *MICRO, f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}",
                            "batch_size=4", "micro_batch_size=4"],
-                          cwd=ROOT, env=_train_env(), capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         "error: batch_size=4 is not divisible by micro_batch_size=4 x world size 2: run on a number of ranks "

@@ -15,13 +15,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import pytest
 
+from run_checks import clean_env
 from train.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -42,9 +43,7 @@ def cache(tmp_path_factory) -> Path:
     return path
 
 
-def env(**extra: str) -> dict[str, str]:
-    kept = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    return {**kept, "OMP_NUM_THREADS": "1", **extra}
+env = clean_env  # the one scrubber (tests/run_checks.py), under the name tests/test_multinode.py imports
 
 
 def overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:

@@ -6,7 +6,7 @@ top-p, seed, stop ids); this is its one-prompt form over plain lists of ids.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -27,6 +27,6 @@ def sample(
     """Yield up to `max_new_tokens` ids continuing `prompt` (stopping after `stop`, if given); a
     seed always gives the same tokens."""
     idx = torch.tensor([prompt], device=model.wte.weight.device)
-    steps = model.stream(idx, max_new_tokens, temperature, top_k, top_p, greedy, seed, () if stop is None else (stop,))
-    for token in steps:
+    stops = () if stop is None else (stop,)
+    for token in model.stream(idx, max_new_tokens, temperature, top_k, top_p, greedy, seed, stops):
         yield int(token[0])

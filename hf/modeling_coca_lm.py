@@ -201,7 +201,8 @@ class CocaLMLayer(nn.Module):
 
     def forward(self, x, rope, cache, key_mask):
         if self.parallel:
-            return x + self.attention(self.input_layernorm(x), rope, cache, key_mask) + self.mlp(self.post_attention_layernorm(x))
+            attention = self.attention(self.input_layernorm(x), rope, cache, key_mask)
+            return x + attention + self.mlp(self.post_attention_layernorm(x))
         x = x + self.attention(self.input_layernorm(x), rope, cache, key_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 

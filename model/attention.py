@@ -30,8 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .transforms import (RopeTables, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie,
-                         origin_qk)
+from .transforms import RopeTables, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie, origin_qk
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
 # ~30 s once per process plus a few seconds per new length; below this query length the chunked
@@ -116,7 +115,8 @@ def _compiled_flex():
 def _causal_block_mask(length: int, device: str):
     """Causal BlockMask built from block indices: row tile i has full tiles 0..i-1 and a partial
     diagonal tile i. (`create_block_mask` would evaluate the mask on all N x N pairs: 2.6 GB at 16K.)"""
-    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as BLOCK, BlockMask
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as BLOCK
+    from torch.nn.attention.flex_attention import BlockMask
 
     tiles = -(-length // BLOCK)
     rows = torch.arange(tiles, dtype=torch.int32, device=device)

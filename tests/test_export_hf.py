@@ -21,10 +21,10 @@ import torch
 from data.sources import stdlib_files, stdlib_root
 from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
-from model import GPT, ModelConfig
-from train.load import load_model
 from hf.export import ExportError, export_hf
+from model import GPT, ModelConfig
 from train.export_hf import main as export_main
+from train.load import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -241,6 +241,29 @@ def test_run_dir_that_is_a_file_is_one_line_before_anything_is_written(tmp_path)
     assert list(cache.iterdir()) == [] and run_dir.read_text() == "not a folder"
 
 
+def test_common_mistakes_fail_before_deepspeed_is_imported(tmp_path):
+    """An existing run, a missing data file, a run_dir that is a file: one line each from
+    `train.preflight`, before torch's process group or DeepSpeed start (seconds, not a minute)."""
+    existing = tmp_path / "existing"
+    (existing / "checkpoints" / "step_00000005").mkdir(parents=True)
+    (existing / "checkpoints" / "step_00000005" / "COMPLETE").write_text("{}")
+    (tmp_path / "afile").write_text("x")
+    cases = {
+        "already holds checkpoints": [f"run_dir={existing}"],
+        "no file matches": [f"run_dir={tmp_path / 'new'}", f"data.sources=[{{kind:files,path:{tmp_path}/none.jsonl}}]"],
+        "is a file, not a folder": [f"run_dir={tmp_path / 'afile'}"],
+    }
+    code = ("import sys; from train.__main__ import main; code = main(sys.argv[1:]); "
+            "print('deepspeed' in sys.modules, code)")
+    for words, overrides in cases.items():
+        result = subprocess.run([sys.executable, "-c", code, *MICRO, f"data.cache_dir={tmp_path / 'cache'}",
+                                 *overrides], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                                timeout=TIMEOUT)
+        assert result.stdout.split() == ["False", "1"], (words, result.stdout, result.stderr[-2000:])
+        assert words in error_line(result)
+    assert not (tmp_path / "new").exists() and not (tmp_path / "cache").exists()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

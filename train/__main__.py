@@ -65,13 +65,21 @@ def main(argv: list[str] | None = None) -> int:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
         return 0
 
+    from errors import UserError
+    from train.preflight import preflight
+
+    try:
+        preflight(cfg)
+    except (UserError, FileNotFoundError, ValueError) as error:
+        if int(os.environ.get("RANK", "0")) == 0:  # the same verdict on every rank
+            print(f"error: {error}", file=sys.stderr)
+        return 1
+
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say so, instead of DeepSpeed's detection warning
     from train import distributed as dist
-    from train.checkpoint import CheckpointError
-    from errors import UserError
     from train.loop import NonFiniteLossError, run
 
     try:
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # SIGINT before run() takes over the signal (import, rendezvous)
         print("interrupted before training started: nothing to save", file=sys.stderr)
         return 128 + signal.SIGINT
-    except (UserError, ConfigError, CheckpointError, NonFiniteLossError, FileNotFoundError, ValueError) as error:
+    except (UserError, NonFiniteLossError, FileNotFoundError, ValueError) as error:
         if os.environ.get("TRAIN_TRACEBACK"):
             traceback.print_exc()
         if isinstance(error, ConfigError):  # a verdict on the configuration, the same on every rank

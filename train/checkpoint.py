@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from errors import UserError, first_line
 from train import distributed as dist
 
 MARKER = "COMPLETE"
@@ -35,7 +36,7 @@ _LEFTOVER = re.compile(r"^\.(tmp|trash)_step_\d{8}(_\d+)?$")
 SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "tie_embeddings", "attention")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A missing, incomplete, corrupt or mismatched checkpoint (one-line message)."""
 
 
@@ -190,7 +191,7 @@ def saved_config(ckpt: Path):
         return OmegaConf.load(ckpt / "config.yaml")
     except Exception as error:  # noqa: BLE001 - any read/parse failure means the same thing here
         raise CheckpointError(
-            f"checkpoint {ckpt}: config.yaml is unreadable ({_first_line(error)}){older_hint(ckpt)}"
+            f"checkpoint {ckpt}: config.yaml is unreadable ({first_line(error)}){older_hint(ckpt)}"
         ) from None
 
 
@@ -259,7 +260,7 @@ def load(engine, ckpt: Path, *, universal: bool = False) -> None:
     try:
         loaded, _ = engine.load_checkpoint(str(load_dir), tag=tag)
     except Exception as error:  # noqa: BLE001 - DeepSpeed/torch raise many types for a bad file
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt or unreadable: {_first_line(error)}{older_hint(ckpt)}") from None
+        raise CheckpointError(f"checkpoint {ckpt} is corrupt or unreadable: {first_line(error)}{older_hint(ckpt)}") from None
     if loaded is None:
         raise CheckpointError(f"checkpoint {ckpt} is missing DeepSpeed files{older_hint(ckpt)}")
     if universal:
@@ -287,10 +288,5 @@ def client_state(ckpt: Path, rank: int) -> dict[str, Any]:
         return torch.load(path, weights_only=False)
     except Exception as error:  # noqa: BLE001
         raise CheckpointError(
-            f"checkpoint file {path} is corrupt or unreadable: {_first_line(error)}{older_hint(ckpt)}"
+            f"checkpoint file {path} is corrupt or unreadable: {first_line(error)}{older_hint(ckpt)}"
         ) from None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"

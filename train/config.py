@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.config import DataConfig
+from errors import EXIT_USAGE, UserError, one_line
 from model.config import FLAVORS, ModelConfig, flavor
 
 DECAYS = ("cosine", "linear", "constant")
@@ -200,8 +201,10 @@ class TrainConfig:
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """A bad configuration or override; its message is one line naming the key."""
+
+    exit_code = EXIT_USAGE
 
 
 def register_configs() -> None:
@@ -235,14 +238,3 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), plain))
     except (OmegaConfBaseException, ValueError, TypeError) as error:
         raise ConfigError(one_line(error)) from None
-
-
-def one_line(error: BaseException) -> str:
-    """The first line of the root cause (Hydra and OmegaConf wrap errors and append hints)."""
-    cause = error
-    while cause.__cause__ is not None and isinstance(cause, (HydraException, OmegaConfBaseException)):
-        cause = cause.__cause__
-    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-    message = lines[0] if lines else type(cause).__name__
-    key = getattr(cause, "full_key", None)
-    return f"{key}: {message}" if key and key not in message else message

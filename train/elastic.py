@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
+from errors import first_line
 from train import distributed as dist
 from train.checkpoint import UNIVERSAL, CheckpointError
 
@@ -65,7 +66,6 @@ def _convert(ckpt: Path, out: Path) -> None:
     except Exception as error:  # noqa: BLE001 - the converter raises assertions and many other types
         shutil.rmtree(out, ignore_errors=True)
         raise CheckpointError(
-            f"checkpoint {ckpt}: converting it for another world size failed ({type(error).__name__}: "
-            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}); resume with the number of "
-            "ranks that wrote it"
+            f"checkpoint {ckpt}: converting it for another world size failed ({first_line(error)}); "
+            "resume with the number of ranks that wrote it"
         ) from None

@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 from data.loader import build_loader
 from data.synthetic import split_block
 from data.tokenizer import get_tokenizer
-from errors import check_writable_dir
 from model import GPT
 from train import checkpoint, resume
 from train import distributed as dist
@@ -179,8 +178,7 @@ class _Preflight:
 
 
 def _preflight(cfg: TrainConfig) -> _Preflight:
-    check_writable_dir(cfg.run_dir, "run_dir")
-    resume_from = checkpoint_to_resume(cfg)
+    resume_from = checkpoint_to_resume(cfg)  # `train.preflight` has checked the run directory
     changed = resume.check(resume_from, cfg) if resume_from is not None else []
     step = checkpoint.marker(resume_from)["step"] if resume_from is not None else 0
     kept, warning = records_up_to(Path(cfg.run_dir) / "metrics.jsonl", step) if dist.is_main() else ([], None)

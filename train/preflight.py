@@ -1,0 +1,20 @@
+"""The checks a run can fail in seconds, made before torch's process group and DeepSpeed start.
+
+A config typo already fails at composition; these are the next most common mistakes: a run
+directory that cannot be written, a run that already exists (and no `resume=`), and a data source
+that is missing or empty. Each is one line, in about the time of a config typo, instead of after
+DeepSpeed's start-up (and, on a first start, its C++ op build). Every rank makes the same checks.
+"""
+
+from __future__ import annotations
+
+from data.sources import check_sources
+from errors import check_writable_dir
+from train.config import TrainConfig
+from train.restore import checkpoint_to_resume
+
+
+def preflight(cfg: TrainConfig) -> None:
+    check_writable_dir(cfg.run_dir, "run_dir")
+    checkpoint_to_resume(cfg)  # refuses to overwrite a run silently
+    check_sources(cfg.data)

@@ -70,6 +70,22 @@ def load_hf(path: Path, rope_override: dict | None = None):
     return AutoModelForCausalLM.from_pretrained(path, config=config, trust_remote_code=True).eval()
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_parameter_name_map_is_one_to_one_onto_gpt_neox(tie):
+    """`hf.names` maps every parameter of ours onto one of transformers' own GPTNeoXForCausalLM."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from hf.names import hf_names
+
+    cfg = ModelConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=16, ffn_hidden=32, tie_embeddings=tie)
+    theirs = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=3,
+                                              num_attention_heads=2, intermediate_size=32,
+                                              tie_word_embeddings=tie))
+    names = hf_names(cfg)
+    assert set(names) == {name for name, _ in GPT(cfg).named_parameters()}
+    assert sorted(names.values()) == sorted(name for name, _ in theirs.named_parameters())
+
+
 def test_tokenizer_gives_our_ids_byte_fallback_included(tokenizer, tmp_path):
     from transformers import AutoTokenizer
 

@@ -163,6 +163,32 @@ def test_sampling_respects_top_k_and_checks_arguments():
         model.generate(idx, 2, top_k=0)
 
 
+def test_stream_stops_once_every_row_has_produced_a_stop_id():
+    """Rows of a batch decode together: one that has stopped goes on until the last one stops."""
+    model = small("coca", "slack")
+    idx = tokens(2, 5, seed=3)
+    free = model.generate(idx, 12, greedy=True)[:, 5:].tolist()
+    stop = {free[0][2], free[1][6]}
+    ends = [next(s for s, token in enumerate(row) if token in stop) for row in free]
+    steps = max(ends) + 1
+    assert steps <= 7
+    streamed = [token.tolist() for token in model.stream(idx, 12, greedy=True, stop=stop)]
+    assert streamed == [[free[0][s], free[1][s]] for s in range(steps)]
+    assert model.generate(idx, 12, greedy=True, stop=stop).tolist() == [
+        row + out[:steps] for row, out in zip(idx.tolist(), free)]
+
+
+def test_seed_fixes_the_sample_and_a_tiny_nucleus_is_greedy():
+    model = small("alibi")
+    idx = tokens(2, 4, seed=5)
+    first = model.generate(idx, 8, temperature=1.5, seed=5)
+    assert torch.equal(first, model.generate(idx, 8, temperature=1.5, seed=5))
+    assert not torch.equal(first, model.generate(idx, 8, temperature=1.5, seed=6))
+    assert torch.equal(model.generate(idx, 8, top_p=1e-9, seed=0), model.generate(idx, 8, greedy=True))
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(idx, 2, top_p=0.0)
+
+
 # ---- RoPE scalings -------------------------------------------------------------------------------
 
 

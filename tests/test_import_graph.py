@@ -1,5 +1,6 @@
-"""Imports go down: errors < model < data < train and hf (peers) < eval and generate < bench, and no
-module imports itself back through others (read with `ast`, deferred imports included)."""
+"""Imports go down: errors < model < data < hf < train < eval and generate (peers) < bench, and no
+module imports itself back through others (read with `ast`, deferred imports included). hf sits
+below train: reading a run is train's job, and train starts from Hugging Face directories."""
 
 from __future__ import annotations
 

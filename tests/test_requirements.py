@@ -1,0 +1,164 @@
+"""The install the README names is the install each README command needs: every third-party module
+an entry point can import (its import closure through the project's own modules, read with `ast`,
+deferred imports included) belongs to a distribution that its requirements file declares:
+`requirements.txt` for the user's commands, `requirements-dev.txt` for the tests and benchmarks."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+RUNTIME = ("train", "train.export_hf", "eval", "eval.report", "generate",
+           "data.tokenizer", "data.prepare", "data.documents")
+DEV_ONLY_PACKAGES = ("bench", "tests")
+
+
+def _module_file(name: str) -> Path | None:
+    """The file that runs for `import name` in the repository (a package's `__init__.py`)."""
+    base = REPO.joinpath(*name.split("."))
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+        if path.is_file():
+            return path
+    return None
+
+
+def _project_name(name: str, importer: str) -> str | None:
+    """`name` as a dotted path from the repository root when the project provides it: a package or
+    module at the root, or (as for a test importing `run_checks`) one beside the importing module."""
+    for prefix in ("", importer.rpartition(".")[0]):
+        full = f"{prefix}.{name}" if prefix else name
+        top = REPO.joinpath(*full.split(".")[: len(prefix.split(".")) + 1 if prefix else 1])
+        if top.is_dir() or top.with_suffix(".py").is_file():
+            return full
+    return None
+
+
+def _entry_modules(command: str) -> list[str]:
+    """What `python -m command` runs: the module (a package's `__main__` too) and its parent packages."""
+    parts = command.split(".")
+    names = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    if (REPO.joinpath(*parts) / "__main__.py").is_file():
+        names.append(f"{command}.__main__")
+    return names
+
+
+def _imported_names(path: Path, module: str) -> set[str]:
+    """Every dotted name `path` imports anywhere in it (a `from a import b` gives `a` and `a.b`);
+    relative imports resolved against the module's package."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                source = ".".join(part for part in (base, node.module) if part)
+            else:
+                source = node.module or ""
+            names.add(source)
+            names.update(f"{source}.{alias.name}" for alias in node.names)
+    return names
+
+
+def third_party_imports(command: str) -> dict[str, str]:
+    """Top-level third-party name -> the project module that imports it, over the command's closure."""
+    found: dict[str, str] = {}
+    seen: set[str] = set()
+    todo = _entry_modules(command)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = _module_file(module)
+        if path is None:
+            continue
+        for name in _imported_names(path, module):
+            project = _project_name(name, module)
+            top = name.split(".")[0]
+            if project is not None:
+                parts = project.split(".")
+                todo.extend(".".join(parts[: i + 1]) for i in range(len(parts)))
+            elif top and top not in sys.stdlib_module_names and top != "__future__":
+                found.setdefault(top, module)
+    return found
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared(requirements: Path) -> set[str]:
+    """The distributions a requirements file names, following `-r other.txt`."""
+    names = set()
+    for raw in requirements.read_text().splitlines():
+        line = raw.split("#")[0].strip()
+        if line.startswith("-r"):
+            names |= declared(requirements.parent / line[2:].strip())
+        elif line:
+            names.add(_normal(Requirement(line).name))
+    return names
+
+
+def undeclared(command: str, requirements: Path) -> list[str]:
+    """`module imports name (distribution)` for each third-party import no declared distribution provides."""
+    distributions = packages_distributions()
+    allowed = declared(requirements)
+    missing = []
+    for name, module in sorted(third_party_imports(command).items()):
+        providers = {_normal(d) for d in distributions.get(name, [])}
+        if not providers & allowed:
+            missing.append(f"{module} imports {name} ({', '.join(sorted(providers)) or 'not installed'})")
+    return missing
+
+
+def _dev_commands() -> list[str]:
+    scripts = [p for package in DEV_ONLY_PACKAGES for p in sorted((REPO / package).glob("*.py"))]
+    return [".".join(p.relative_to(REPO).with_suffix("").parts) for p in scripts]
+
+
+@pytest.mark.parametrize("command", RUNTIME)
+def test_each_user_command_needs_only_requirements_txt(command):
+    assert not undeclared(command, REPO / "requirements.txt")
+
+
+@pytest.mark.parametrize("command", _dev_commands())
+def test_each_benchmark_and_test_needs_only_requirements_dev_txt(command):
+    assert not undeclared(command, REPO / "requirements-dev.txt")
+
+
+def test_every_readme_command_is_checked():
+    """A `python -m X` or `python X.py` in the README is a runtime or a dev-only command above."""
+    readme = (REPO / "README.md").read_text()
+    commands = set(re.findall(r"python -m ([\w.]+)", readme))
+    commands |= {".".join(Path(p).with_suffix("").parts) for p in re.findall(r"python ([\w/]+\.py)", readme)}
+    commands -= {"pytest"}
+    assert commands, "no commands found in README.md"
+    unchecked = {c for c in commands if c not in RUNTIME and c.split(".")[0] not in DEV_ONLY_PACKAGES}
+    assert not unchecked, unchecked
+
+
+def test_the_closure_follows_project_modules_and_deferred_imports():
+    """The reader sees through the project: `train.export_hf` reaches safetensors only through
+    hf.export, and tokenizers only inside a function there."""
+    found = third_party_imports("train.export_hf")
+    assert found["safetensors"] == "hf.export"
+    assert found["tokenizers"] == "hf.export"
+    assert "deepspeed" in third_party_imports("train")
+
+
+def test_a_dropped_requirement_is_caught(tmp_path):
+    """The check fails for a requirements file that lacks what the exporter imports."""
+    kept = [line for line in (REPO / "requirements.txt").read_text().splitlines()
+            if not line.startswith("safetensors")]
+    trimmed = tmp_path / "requirements.txt"
+    trimmed.write_text("\n".join(kept) + "\n")
+    assert any("safetensors" in line for line in undeclared("train.export_hf", trimmed))

@@ -17,6 +17,24 @@ result JSONs, the rest is loading, prompt building and the report) and the train
 - after-2threads: the same on two threads (OMP_NUM_THREADS=2; the study runs two one-thread jobs).
 Threads are set per part (`before` and `after` on one thread). The machine may be shared: compare
 rows of one invocation.
+
+Measured on runs/study/origin_s1 (1500 steps), 2-core CPU shared with the study's training job
+and other engineers' tests; two invocations, seconds:
+
+| run (load) | part | scalings | passkey cases | ppl docs | ppl | passkey | recall | bar | total | s/case |
+|---|---|---|---|---|---|---|---|---|---|---|
+| 1 (4-6) | before | none, dynamic 2/4/8 | 384 | 3 | 84 | 132 | 77 | 22 | 329 | 0.344 |
+| 1 (4-6) | after | none, dynamic 8 | 1200 | 20 | 249 | 303 | 2 | 8 | 577 | 0.252 |
+| 2 (1.5-2.3) | before | none, dynamic 2/4/8 | 384 | 3 | 53 | 59 | 38 | 5 | 165 | 0.153 |
+| 2 (1.5-2.3) | after | none, dynamic 8 | 1200 | 20 | 170 | 295 | 5 | 11 | 489 | 0.246 |
+
+The study's evaluation of one run: 8.2 minutes on one thread on the quieter machine (9.6 under
+load), 3.0x (1.75x under load) the pilot's time for 3.1x the passkey cases and 6.7x the documents.
+Per case, batching is no gain on one CPU thread (1.36x and 0.62x, within the load's noise): the
+forward is compute-bound (at 8192 tokens, 69% is SDPA's flash kernel, 17% matmuls); it is for
+GPUs. torch.compile per block: a 25% faster forward at 2048 and 8192 tokens, but 25-45 s to compile
+each new length, more than it saves over six lengths. The time went down by evaluating only the
+study's cells (two scalings, not four; recall, untrained in the study, at 1x .. 4x only).
 """
 
 from __future__ import annotations
@@ -34,9 +52,9 @@ from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = "[256,512,1024,2048,4096,8192]"
-BEFORE_EVAL = (f"ppl.lengths={LENGTHS} ppl.stride=2048 ppl.n_docs=3 passkey.lengths={LENGTHS} passkey.n_cases=16 "
-               f"recall.lengths={LENGTHS} recall.n_cases=8 prompt_seed=fixed passkey.batch_tokens=1 "
-               "recall.batch_tokens=1")
+BEFORE_EVAL = (f"ppl.lengths={LENGTHS} ppl.stride=2048 ppl.n_docs=3 passkey.lengths={LENGTHS} "
+               f"passkey.n_cases=16 recall.lengths={LENGTHS} recall.n_cases=8 prompt_seed=fixed "
+               "passkey.batch_tokens=1 recall.batch_tokens=1")
 BEFORE_SCALINGS = "[none,dynamic:2,dynamic:4,dynamic:8]"
 TASKS = ("ppl", "passkey", "recall", "attention")
 PARTS = ("before", "after", "after-unbatched", "after-2threads")
@@ -44,8 +62,8 @@ PARTS = ("before", "after", "after-unbatched", "after-2threads")
 
 def study_settings() -> tuple[str, str]:
     """The study's evaluation overrides and scalings, from launch/reproduce_study.sh itself."""
-    done = subprocess.run(["bash", "launch/reproduce_study.sh", "--print-eval"], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run(["bash", "launch/reproduce_study.sh", "--print-eval"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
     overrides, scalings = done.stdout.strip().splitlines()
     return overrides, scalings
 
@@ -86,7 +104,8 @@ def measure(run: Path, part: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.study_eval", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.study_eval",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a trained study run (runs/study/<design>_s<seed>)")
     parser.add_argument("--parts", nargs="+", default=["before", "after"], choices=PARTS)
     args = parser.parse_args(argv)
@@ -102,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         total = r["eval"] + r["bar"]
         print(f"| {part} | {r['threads']} | {r['scalings']} | {r['cases']} | {r['docs']} | {r['ppl']:.0f} | "
-              f"{r['passkey']:.0f} | {r['recall']:.0f} | {r['attention']:.0f} | {r['eval']:.0f} | {r['bar']:.0f} | "
-              f"{total:.0f} | {r['passkey'] / r['cases']:.3f} |", flush=True)
+              f"{r['passkey']:.0f} | {r['recall']:.0f} | {r['attention']:.0f} | {r['eval']:.0f} | "
+              f"{r['bar']:.0f} | {total:.0f} | {r['passkey'] / r['cases']:.3f} |", flush=True)
     by_part = {r["part"]: r for r in rows}
     if "before" in by_part and "after" in by_part:
         b, a = by_part["before"], by_part["after"]

@@ -75,6 +75,7 @@ def test_study_shortened(tmp_path: Path) -> None:
     """Two designs x two seeds, two runs at a time: per-run chains, then the seed-aggregated report;
     published results let the study continue without the runs (another machine)."""
     study = dict(DESIGNS="origin alibi", SEEDS="1 2", TEXT_ONLY="0", STEPS="3", RESULTS=str(tmp_path / "results"),
+                 SCALINGS="[none,dynamic:2,dynamic:4,dynamic:8]",  # the pilot's sweep (the study's: none, dynamic:8)
                  EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
                  "recall.lengths=[256,512] recall.n_cases=2 attention.length=512")
     run_script("reproduce_study.sh", tmp_path, **study)

@@ -11,15 +11,24 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from errors import UserError
+
 _LOCAL_RANK_ARG = re.compile(r"^--local[_-]rank(=(\d+))?$")
 _OP_BANNER = re.compile(r"^DeepSpeed \S+ built successfully$")
+_BUILD_ERROR = re.compile(r"Error building extension|Unable to JIT load")
+_COMPILER_ERROR = re.compile(r"\berror: ")  # a diagnostic, as gcc and clang write one
+BUILD_NOTICE = "building DeepSpeed's CPU communication op, once, about 40 s (cached in {dir})"
+BUILD_NEEDS = "a C++ compiler and Python's headers (Debian/Ubuntu: apt-get install g++ python3-dev)"
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -67,8 +76,92 @@ def init() -> None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     backend = "gloo" if accelerator.device_name() == "cpu" else accelerator.communication_backend_name()
-    with _banner_off_stdout():
+    build_dir = shm_op_to_build()
+    if build_dir is not None:
+        check_build_tools()
+        if int(os.environ["LOCAL_RANK"]) == 0:  # the other local ranks wait for its build
+            print(BUILD_NOTICE.format(dir=build_dir), file=sys.stderr, flush=True)
+    with _banner_off_stdout(), _build_failure_in_one_line(build_dir):
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def shm_op_to_build() -> Path | None:
+    """The folder DeepSpeed's CPU shared-memory op is about to be compiled in, or None when
+    `init_distributed` will not compile it: not a CPU accelerator, an op shipped prebuilt, or one
+    torch's extension cache already holds up to date (the conditions of DeepSpeed's
+    `comm.torch.build_shm_op` and `OpBuilder.load`; the folder is the one torch's JIT loader uses)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    accelerator = get_accelerator()
+    on_cpu = accelerator.device_name() == "cpu"
+    builder = accelerator.create_op_builder("ShareMemCommBuilder") if on_cpu else None
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return None
+    if installed_ops.get(builder.NAME, False) and accelerator_name == accelerator._name:
+        return None
+    build_dir = Path(_get_build_directory(builder.NAME, verbose=False))
+    return None if extension_up_to_date(build_dir, builder.NAME) else build_dir
+
+
+def extension_up_to_date(build_dir: Path, name: str) -> bool:
+    """Whether torch's JIT build in `build_dir` has its library and nothing to redo: ninja itself
+    is asked (`ninja -n`), as torch's loader runs ninja there and it rebuilds what changed."""
+    if not (build_dir / f"{name}.so").is_file() or not (build_dir / "build.ninja").is_file():
+        return False
+    try:
+        dry_run = subprocess.run(["ninja", "-n", "-C", str(build_dir)], capture_output=True, text=True)
+    except OSError:
+        return False
+    return dry_run.returncode == 0 and "no work to do" in dry_run.stdout
+
+
+def check_build_tools() -> None:
+    """The op is built with ninja and the C++ compiler torch uses (`$CXX`, else `c++`): refuse, in
+    one line that says what to install, when either is not on PATH (instead of torch's traceback)."""
+    from torch.utils.cpp_extension import get_cxx_compiler, is_ninja_available
+
+    compiler = get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        raise UserError(
+            f"DeepSpeed compiles its CPU communication op on this first start, and the C++ compiler "
+            f"{compiler!r} is not on PATH: install {BUILD_NEEDS}, or set CXX to one"
+        )
+    if not is_ninja_available():
+        raise UserError(
+            "DeepSpeed compiles its CPU communication op on this first start, and ninja is not on PATH: "
+            "activate the environment the requirements were installed in (its bin/ has ninja), "
+            "or pip install ninja"
+        )
+
+
+@contextlib.contextmanager
+def _build_failure_in_one_line(build_dir: Path | None) -> Iterator[None]:
+    """A compiler that is there but fails (missing headers, a broken install) ends torch's JIT build
+    with the whole build log in one exception: say it in one line, with the compiler's first error."""
+    try:
+        yield
+    except subprocess.CalledProcessError as error:  # torch asking the compiler for its version
+        if build_dir is None:
+            raise
+        raise UserError(_build_failure(build_dir, f"{error}\n{_text(error.output)}")) from None
+    except RuntimeError as error:  # ninja's build failing, its log in the message
+        if build_dir is None or not _BUILD_ERROR.search(str(error)):
+            raise
+        raise UserError(_build_failure(build_dir, str(error))) from None
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def _build_failure(build_dir: Path, log: str) -> str:
+    error_lines = [line.strip() for line in log.splitlines() if _COMPILER_ERROR.search(line)]
+    first = (error_lines or log.strip().splitlines() or ["no output"])[0]
+    where = f"DeepSpeed's CPU communication op did not build in {build_dir}"
+    return f"{where} ({first[:200]}): it needs {BUILD_NEEDS}"
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -186,6 +187,9 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: b
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config(m, tokenizer), indent=2) + "\n")
         save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors >= 0.8 writes through a temporary file created 0600, whatever the umask
+        # (safetensors issue #782): give it the mode config.json got, as every other file here.
+        os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
         generation = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id,
                       "pad_token_id": tokenizer.pad_id, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

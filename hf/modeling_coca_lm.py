@@ -79,8 +79,23 @@ class CocaLMConfig(PreTrainedConfig):
         self.attention = attention
         self.coca_form = coca_form
         self.use_cache = use_cache
-        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        self.rope_parameters = dict(rope_parameters or UNSCALED)
+        check_rope_parameters(self)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+
+UNSCALED = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def check_rope_parameters(config: CocaLMConfig) -> None:
+    """Refuse a RoPE scaling on ALiBi, as coca-lm does: ALiBi has no RoPE, so a scaling would be
+    accepted and change nothing. Checked when the config is made and again when a model is built
+    from it (the README's recipe assigns `config.rope_parameters` after loading the config)."""
+    p = config.rope_parameters or UNSCALED
+    scaled = p.get("rope_type", "default") != "default" or float(p.get("factor") or 1.0) != 1.0
+    if config.attention == "alibi" and (scaled or float(p.get("rope_theta", 10000.0)) != 10000.0):
+        raise ValueError(f"rope_parameters={p} on an ALiBi model: ALiBi has no RoPE to scale; "
+                         "leave rope_parameters unset")
 
 
 # ---- position: RoPE from rope_parameters ---------------------------------------------------------
@@ -232,6 +247,7 @@ class CocaLMModel(CocaLMPreTrainedModel):
         self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(CocaLMLayer(config, i) for i in range(config.num_hidden_layers))
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        check_rope_parameters(config)
         self.rope = rope_from_config(config) if config.attention == "coca" else None
         self.post_init()
 

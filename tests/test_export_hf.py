@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -219,6 +220,37 @@ def test_dynamic_ntk_set_at_load_time_generates_like_ours(design, tokenizer, tmp
         for step, logits in enumerate(out.logits):
             want = model(out.sequences[:, : prompt.shape[1] + step])[:, -1]
             torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_exported_file_has_the_mode_the_umask_gives(umask, tokenizer, tmp_path):
+    """model.safetensors too (safetensors writes it 0600 on its own): readable by whoever may read
+    the export's other files."""
+    previous = os.umask(umask)
+    try:
+        out = export_hf(random_model(tokenizer, "alibi"), tokenizer, tmp_path / "hf")
+    finally:
+        os.umask(previous)
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in out.iterdir()}
+    assert "model.safetensors" in modes and len(modes) >= 6
+    assert modes == {name: oct(0o666 & ~umask) for name in modes}
+
+
+def test_alibi_export_refuses_a_rope_scaling_in_transformers(tokenizer, tmp_path):
+    """ALiBi has no RoPE: a scaling set when loading (the README's recipe, a config keyword, or a
+    static NTK base) is refused by the modeling file, as coca-lm refuses it, instead of loading a
+    model whose logits it does not change. Unscaled, the export loads."""
+    from transformers import AutoConfig
+
+    path = export_hf(random_model(tokenizer, "alibi"), tokenizer, tmp_path / "alibi")
+    for override in ({"rope_type": "dynamic", "factor": 4.0}, {"rope_type": "linear", "factor": 2.0},
+                     {"rope_theta": 40000.0}):
+        with pytest.raises(ValueError, match="ALiBi has no RoPE to scale"):
+            load_hf(path, override)
+    with pytest.raises(ValueError, match="ALiBi has no RoPE to scale"):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        type(config)(**{**config.to_dict(), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    assert load_hf(path).config.attention == "alibi"
 
 
 def test_export_cli_errors_are_one_line(tmp_path, capsys):

@@ -278,7 +278,8 @@ def write_summary(out: Path) -> None:
     if failed:
         lines.append(f"RESULT: FAIL ({', '.join(failed)})" + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     else:
-        lines.append(f"RESULT: {len(stages) - len(skipped)} stages ok" + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+        skipped_note = f"; skipped: {', '.join(skipped)}" if skipped else ""
+        lines.append(f"RESULT: {len(stages) - len(skipped)} stages ok{skipped_note}")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
 
 

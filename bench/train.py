@@ -144,7 +144,8 @@ def main() -> None:
                               args.compile)
         ours_mem, hf_mem = (in_process(measure_memory, impl, name, batch, seq_len, args.vocab_size, args.compile)
                             for impl in ("ours", "hf"))
-        print(f"| {name} | {batch} x {seq_len} | {ours:,.0f} | {hf:,.0f} | {ours / hf:.2f}x | {ours_mem:,.0f} | {hf_mem:,.0f} |",
+        print(f"| {name} | {batch} x {seq_len} | {ours:,.0f} | {hf:,.0f} | {ours / hf:.2f}x "
+              f"| {ours_mem:,.0f} | {hf_mem:,.0f} |",
               flush=True)
     if cuda:
         batch, seq_len = shapes["350m"]

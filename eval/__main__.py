@@ -139,7 +139,7 @@ def open_session(cfg: EvalConfig) -> Session:
         "source": ", ".join(s.describe() for s in data.sources if s.is_text)
                   + (" (whole files)" if whole else f" ({cfg.split})"),
         "device": cfg.device,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     return Session(cfg, model, train_cfg, tokenizer, data, trained, out, meta)
 
@@ -149,7 +149,8 @@ def run_ppl(s: Session) -> dict:
     lengths = c.lengths or default_lengths(s.train_len)
     scalings, notes = s.scalings()
     docs = s.documents(max(lengths) + 1, c.n_docs)
-    rows = sweep_ppl(s.model, docs, lengths, c.stride or s.train_len, scalings, s.trained, c.batch_tokens, s.cfg.progress)
+    rows = sweep_ppl(s.model, docs, lengths, c.stride or s.train_len, scalings, s.trained, c.batch_tokens,
+                     s.cfg.progress)
     return {"rows": rows, "notes": notes}
 
 

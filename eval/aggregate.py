@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 import yaml

@@ -18,7 +18,8 @@ are computed for a chunk of queries at a time (memory chunk x T per head), and s
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 

@@ -31,7 +31,7 @@ class Scaling:
         return "none" if self.type == "none" else f"{self.type}:{self.factor:g}"
 
     @classmethod
-    def parse(cls, text: str) -> "Scaling":
+    def parse(cls, text: str) -> Scaling:
         """`none`, `dynamic:4`, `linear:2.5` ... (`model.config.parse_scaling`)."""
         scaling = parse_scaling(text)
         return cls(scaling.type, scaling.factor)

@@ -14,7 +14,8 @@ study's digit groups; otherwise a length gives a few batches.)
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 from tqdm import tqdm

@@ -12,8 +12,9 @@ The loss comes from `model.token_losses` (LM head in chunks), so memory grows li
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 from tqdm import tqdm

@@ -8,7 +8,7 @@ Cases of equal token count (all of one length: pairs fill it) share a forward, u
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tqdm import tqdm
 

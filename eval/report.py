@@ -19,8 +19,8 @@ import math
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -210,7 +210,8 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
         md += [f"## Passkey accuracy ({modes[0]})", "", pivot_markdown(lengths, table, "model / scaling"), ""]
         if len(modes) > 1:
             _, agree = pivot(summary, "label", "modes_agree")
-            md += ["Fraction of cases where " + " and ".join(modes) + " agree:", "", pivot_markdown(lengths, agree, "model / scaling"), ""]
+            md += ["Fraction of cases where " + " and ".join(modes) + " agree:", "",
+                   pivot_markdown(lengths, agree, "model / scaling"), ""]
         md += _notes(p)
         grids = {}
         for label in table:
@@ -226,7 +227,8 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
         r = results["recall"]
         summary = recall_summary(r["cases"])
         lengths, table = pivot(summary, "label", "accuracy")
-        md += [f"## Recall accuracy ({r['queries']} queries per case)", "", pivot_markdown(lengths, table, "model / scaling"), ""]
+        md += [f"## Recall accuracy ({r['queries']} queries per case)", "",
+               pivot_markdown(lengths, table, "model / scaling"), ""]
         md += _notes(r)
         series = {k: (list(v), list(v.values())) for k, v in table.items()}
         written["recall"] = [
@@ -240,7 +242,8 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
             f"## Attention scores at {a['length']} tokens "
             f"(outliers: > row mean + {a['sigma']:g} std; local mass: nearest {a['window']} keys)",
             "",
-            markdown(["model / scaling", "layer"] + keys, [[r["label"], r["layer"]] + [r[k] for k in keys] for r in a["rows"]]),
+            markdown(["model / scaling", "layer"] + keys,
+                     [[r["label"], r["layer"]] + [r[k] for k in keys] for r in a["rows"]]),
             "",
         ]
         md += _notes(a)
@@ -326,7 +329,7 @@ def compare(run_dirs: Sequence[Path], out_dir: Path,
     if len(set(labels)) < len(labels):
         labels = [f"{run.name} ({label})" for (run, _, _), label in zip(loaded, labels)]
     merged: dict[str, dict] = {}
-    for (run, eval_dir, results), label in zip(loaded, labels):
+    for (_run, eval_dir, results), label in zip(loaded, labels):
         for task, result in results.items():
             r = _labelled(task, result, eval_dir, label)
             m = merged.setdefault(task, {"meta": r["meta"], "notes": [], "rows": [], "cases": [], "profiles": {}})

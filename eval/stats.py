@@ -10,9 +10,9 @@ names the cells whose tests form the pre-registered family.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 from itertools import combinations
-from typing import Sequence
 
 import numpy as np
 from scipy import stats as sps

@@ -7,18 +7,18 @@ skipped with a note that ends up in the report.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
+from data.tasks import PasskeyCase, RecallCase
 from eval.attention_stats import attention_statistics, last_query_scores
 from eval.config import Scaling
-from data.tasks import PasskeyCase, RecallCase
 from eval.passkey import score_cases
-from eval.recall import score_recall
 from eval.perplexity import evaluate_perplexity
+from eval.recall import score_recall
 
 
 def applicable(scalings: Sequence[Scaling], attention: str) -> tuple[list[Scaling], list[str]]:

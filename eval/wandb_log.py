@@ -37,7 +37,7 @@ def log_to_wandb(cfg, train_cfg, run_dir: Path, out_dir: Path, written: dict[str
         settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
     )
     data = {}
-    for task, paths in written.items():
+    for paths in written.values():
         for path in paths:
             key = f"eval/{path.stem}"
             if path.suffix == ".png":

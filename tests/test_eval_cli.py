@@ -161,7 +161,8 @@ def test_single_scaling_from_model_rope_scaling(run, tmp_path):
     results = evaluate(run, tmp_path, "task=ppl", f"ppl.lengths=[{L0},{4 * L0}]", "ppl.n_docs=1",
                        "model.rope_scaling.type=dynamic", "model.rope_scaling.factor=4")
     rows = json.loads((tmp_path / "ppl.json").read_text())["rows"]
-    assert [(r["scaling"], r["length"], r["stride"]) for r in rows] == [("dynamic:4", L0, L0), ("dynamic:4", 4 * L0, L0)]
+    assert [(r["scaling"], r["length"], r["stride"]) for r in rows] == [("dynamic:4", L0, L0),
+                                                                       ("dynamic:4", 4 * L0, L0)]
     assert all(math.isfinite(r["ppl"]) for r in results["ppl"]["rows"])
 
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from data.config import DataConfig, TokenizerConfig
-from data.tokenizer import get_tokenizer
 from data.tasks import FILLER, INSTRUCTION, QUESTION, PasskeyCase, build_case, make_cases
+from data.tokenizer import get_tokenizer
 from eval.passkey import accuracy, score_cases, teacher_forced
 from model import GPT
 from model.config import flavor

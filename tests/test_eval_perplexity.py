@@ -109,7 +109,8 @@ def test_alibi_skips_rope_scalings_with_a_note():
 def test_attention_sweep_statistics_and_profiles(attention):
     model = gpt(attention)
     scalings, _ = applicable([Scaling("none"), Scaling("dynamic", 4.0)], attention)
-    rows, profiles = sweep_attention(model, doc(4 * L0), scalings, Scaling("none"), [1, 2], sigma=4.0, window=8, chunk=16)
+    rows, profiles = sweep_attention(model, doc(4 * L0), scalings, Scaling("none"), [1, 2], sigma=4.0, window=8,
+                                     chunk=16)
     assert [(r["scaling"], r["layer"]) for r in rows] == [(s.label, i) for s in scalings for i in (1, 2)]
     for r in rows:
         assert r["n_scores"] == 4 * (4 * L0) * (4 * L0 + 1) // 2

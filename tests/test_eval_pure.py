@@ -15,7 +15,6 @@ from eval import report
 from eval.attention_stats import attention_statistics, last_query_scores, layer_statistics
 from eval.perplexity import safe_exp, sliding_windows
 
-
 # ----------------------------------------------------------------------------- windows
 
 
@@ -144,7 +143,8 @@ def _fake_run(eval_dir: Path, label: str, ppl_at_2x: float, train_len: int = 64)
     report.save_json(eval_dir / "passkey.json", {"meta": meta, "cases": cases, "modes": ["teacher", "generate"]})
     rows = [{"scaling": "none", "layer": 1, "max_score": 3.0, "min_score": -1.0, "mean_score": 0.0, "std_score": 1.0,
              "outlier_count": 2, "outlier_ratio": 0.01, "max_zscore": 4.0, "local_mass": 0.5, "n_scores": 200}]
-    report.save_json(eval_dir / "attention.json", {"meta": meta, "rows": rows, "length": 256, "sigma": 6.0, "window": 16})
+    report.save_json(eval_dir / "attention.json",
+                     {"meta": meta, "rows": rows, "length": 256, "sigma": 6.0, "window": 16})
     report.save_profiles(eval_dir / report.PROFILES_FILE, {"none": {1: np.random.randn(2, 256)}})
 
 
@@ -157,7 +157,8 @@ def test_run_report_tables_and_figures(tmp_path):
     assert "| dynamic:4 | 10 | 6.25 | inf |" in md
     assert "| none | 1 | 0.5 |" in md  # passkey: both right at 64, one of two at 128
     summary = report.passkey_summary(report.run_results(eval_dir)["passkey"]["cases"], ["teacher", "generate"])
-    assert {(r["length"], r["teacher_accuracy"], r["modes_agree"]) for r in summary} == {(64, 1.0, 1.0), (128, 0.5, 1.0)}
+    got = {(r["length"], r["teacher_accuracy"], r["modes_agree"]) for r in summary}
+    assert got == {(64, 1.0, 1.0), (128, 0.5, 1.0)}
     for paths in written.values():
         for p in paths:
             assert p.exists() and p.stat().st_size > 0
@@ -178,7 +179,8 @@ def test_compare_runs_one_line_per_run_and_scaling(tmp_path, capsys):
     out = tmp_path / "cmp"
     assert report.main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
     md = (out / "compare_report.md").read_text()
-    for line in ["| origin | 10 | 12.5 | inf |", "| origin + dynamic:4 | 10 | 6.25 | inf |", "| coca-slack | 10 | 11 | inf |"]:
+    for line in ["| origin | 10 | 12.5 | inf |", "| origin + dynamic:4 | 10 | 6.25 | inf |",
+                 "| coca-slack | 10 | 11 | inf |"]:
         assert line in md
     rows = list(csvrows(out / "compare_ppl.csv"))
     assert {r["label"] for r in rows} == {"origin", "origin + dynamic:4", "coca-slack", "coca-slack + dynamic:4"}

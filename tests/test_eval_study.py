@@ -71,11 +71,11 @@ def _seed_run(root: Path, name: str, label: str, config_id: str, seed: int, ppl_
     meta = {"run": str(root / name), "label": label, "train_len": 64, "step": 10, "source": "stdlib",
             "seed": seed, "config_id": config_id}
     out = root / name / "eval"
-    ppl = [{"scaling": "none", "length": n, "stride": 64, "nll": 1.0, "tokens": 1, "documents": 1, "loss": 1.0, "ppl": p}
-           for n, p in [(64, 10.0), (128, ppl_2x)]]
+    ppl = [{"scaling": "none", "length": n, "stride": 64, "nll": 1.0, "tokens": 1, "documents": 1, "loss": 1.0,
+            "ppl": p} for n, p in [(64, 10.0), (128, ppl_2x)]]
     report.save_json(out / "ppl.json", {"meta": meta, "rows": ppl, "notes": []})
-    cases = [{"scaling": "none", "length": 64, "tokens": 64, "depth": 0.5, "key": "1", "teacher_correct": i < passkey_hits,
-              "teacher_pred": [1]} for i in range(4)]
+    cases = [{"scaling": "none", "length": 64, "tokens": 64, "depth": 0.5, "key": "1",
+              "teacher_correct": i < passkey_hits, "teacher_pred": [1]} for i in range(4)]
     report.save_json(out / "passkey.json", {"meta": meta, "cases": cases, "modes": ["teacher"]})
     recall = [{"scaling": "none", "length": 64, "tokens": 64, "pairs": 9, "queries": 5, "correct": c, "pred": []}
               for c in (min(5, recall_right), max(0, recall_right - 5))]

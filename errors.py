@@ -9,10 +9,6 @@ checkpoint, an unwritable folder), 2 bad usage (an unknown key, a wrong type, a 
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 EXIT_INPUT = 1
 EXIT_USAGE = 2
 
@@ -40,28 +36,3 @@ def first_line(error: BaseException) -> str:
     read by torch, DeepSpeed's converter failing)."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
-
-
-def report(error: BaseException, code: int | None = None, prefix: str = "") -> int:
-    """Print the one `error:` line on stderr; return the exit code (the error's own by default)."""
-    print(f"{prefix}error: {one_line(error)}", file=sys.stderr)
-    return code if code is not None else getattr(error, "exit_code", EXIT_INPUT)
-
-
-def check_writable_dir(path: str | Path, what: str) -> None:
-    """Refuse, before anything is read or written, a folder a command could not write: one that
-    is a file, one that exists but is not writable, or one whose nearest existing parent is not."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{what} {path} is a file, not a folder: choose another {what}")
-    if path.is_dir():
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UserError(f"{what} {path} is not writable: fix its permissions or choose another {what}")
-        return
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"cannot create {what} {path}: {parent} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot create {what} {path}: {parent} is not writable")

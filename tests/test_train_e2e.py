@@ -236,7 +236,8 @@ def test_run_dir_that_is_a_file_is_one_line_before_anything_is_written(tmp_path)
     cache.mkdir()
     result = train(run_dir, cache)
     assert result.returncode == 1
-    assert error_line(result) == f"error: run_dir {run_dir} is a file, not a folder: choose another run_dir"
+    assert error_line(result) == (f"error: run_dir='{run_dir}' is a file, not a directory: "
+                                  "give run_dir a directory path")
     assert "Traceback" not in result.stderr
     assert list(cache.iterdir()) == [] and run_dir.read_text() == "not a folder"
 
@@ -251,7 +252,7 @@ def test_common_mistakes_fail_before_deepspeed_is_imported(tmp_path):
     cases = {
         "already holds checkpoints": [f"run_dir={existing}"],
         "no file matches": [f"run_dir={tmp_path / 'new'}", f"data.sources=[{{kind:files,path:{tmp_path}/none.jsonl}}]"],
-        "is a file, not a folder": [f"run_dir={tmp_path / 'afile'}"],
+        "is a file, not a directory": [f"run_dir={tmp_path / 'afile'}"],
     }
     code = ("import sys; from train.__main__ import main; code = main(sys.argv[1:]); "
             "print('deepspeed' in sys.modules, code)")

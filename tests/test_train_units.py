@@ -196,16 +196,16 @@ def test_fp16_is_refused_on_every_cpu_and_bf16_accepted():
 
 
 def test_run_dir_that_cannot_be_written_is_one_line(tmp_path):
-    from errors import UserError, check_writable_dir
+    from data.config import check_dir
 
     afile = tmp_path / "afile"
     afile.write_text("x")
-    with pytest.raises(UserError, match="run_dir .*afile is a file, not a folder"):
-        check_writable_dir(afile, "run_dir")
-    with pytest.raises(UserError, match="cannot create run_dir .*afile/run/deeper: .*afile is a file"):
-        check_writable_dir(afile / "run" / "deeper", "run_dir")
-    check_writable_dir(tmp_path / "new" / "run", "run_dir")  # creatable
-    check_writable_dir(tmp_path, "run_dir")  # exists, writable
+    with pytest.raises(ValueError, match=r"run_dir='.*afile' is a file, not a directory"):
+        check_dir(afile, "run_dir")
+    with pytest.raises(ValueError, match=r"run_dir='.*afile/run/deeper' is under .*afile, which is a file"):
+        check_dir(afile / "run" / "deeper", "run_dir")
+    check_dir(tmp_path / "new" / "run", "run_dir")  # creatable
+    check_dir(tmp_path, "run_dir")  # exists, writable
     assert not (tmp_path / "new").exists()  # the check writes nothing
 
 
@@ -221,10 +221,10 @@ def test_read_only_run_dir_and_parent_are_one_line(tmp_path):
     locked.chmod(0o555)
     (locked / "run").chmod(0o555)
     tmp_path.chmod(0o755)
-    code = ("import sys; from errors import UserError, check_writable_dir\n"
+    code = ("import sys; from data.config import check_dir\n"
             "for path in sys.argv[1:]:\n"
-            "    try: check_writable_dir(path, 'run_dir'); print('ok')\n"
-            "    except UserError as error: print(error)\n")
+            "    try: check_dir(path, 'run_dir'); print('ok')\n"
+            "    except ValueError as error: print(error)\n")
     command = [sys.executable, "-c", code, str(locked / "run"), str(locked / "new" / "run")]
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
@@ -235,6 +235,6 @@ def test_read_only_run_dir_and_parent_are_one_line(tmp_path):
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
-        f"run_dir {locked / 'run'} is not writable: fix its permissions or choose another run_dir",
-        f"cannot create run_dir {locked / 'new' / 'run'}: {locked} is not writable",
+        f"run_dir='{locked / 'run'}': {locked / 'run'} is not writable: give run_dir a writable directory",
+        f"run_dir='{locked / 'new' / 'run'}': {locked} is not writable: give run_dir a writable directory",
     ]

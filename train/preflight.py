@@ -8,13 +8,13 @@ DeepSpeed's start-up (and, on a first start, its C++ op build). Every rank makes
 
 from __future__ import annotations
 
+from data.config import check_dir
 from data.sources import check_sources
-from errors import check_writable_dir
 from train.config import TrainConfig
 from train.restore import checkpoint_to_resume
 
 
 def preflight(cfg: TrainConfig) -> None:
-    check_writable_dir(cfg.run_dir, "run_dir")
+    check_dir(cfg.run_dir, "run_dir")
     checkpoint_to_resume(cfg)  # refuses to overwrite a run silently
     check_sources(cfg.data)

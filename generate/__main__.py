@@ -1,7 +1,7 @@
 """`python -m generate run=<run dir or checkpoint> prompt="..." [key=value ...]`
 
-Streams the continuation of a prompt to stdout as it is sampled. The prompt comes from `prompt=`,
-or from stdin when it is absent. As in training, the model sees EOS first (every document starts
+Prints the prompt, then streams its continuation to stdout as it is sampled. The prompt comes from
+`prompt=`, or from stdin when it is absent. As in training, the model sees EOS first (every document starts
 after one); sampling stops at EOS unless `stop_at_eos=false`. Bad input ends with one
 `error: ...` line on stderr and exit status 2.
 """
@@ -90,6 +90,11 @@ class Printer:
         self.ids: list[int] = []
         self.shown = 0
 
+    def echo(self, prompt: str) -> None:
+        """The prompt as given, before its continuation, so the output reads as one text."""
+        self.out.write(prompt)
+        self.out.flush()
+
     def add(self, token: int | None, final: bool = False) -> None:
         if token is not None:
             self.ids.append(token)
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             model.set_rope_scaling(scaling.type, scaling.factor)
         ids = [tokenizer.eos_id] + tokenizer.encode(prompt)
         printer = Printer(tokenizer)
+        printer.echo(prompt)
         stop = tokenizer.eos_id if opts.stop_at_eos else None
         for token in sample(model, ids, opts.max_new_tokens, opts.temperature, opts.top_k or None, opts.top_p,
                             opts.greedy, opts.seed, stop):

@@ -312,7 +312,7 @@ def zero3(tmp_path_factory) -> tuple[Path, Path]:
     done = _ok(subprocess.run([sys.executable, "-m", "train.export_hf", f"run={run}", f"out={out}"], cwd=REPO,
                               env=_env(root / "hf_home"), capture_output=True, text=True, timeout=600))
     assert done.stdout.strip().splitlines() == [
-        f"exported coca strict (none RoPE scaling) to {out}: AutoModelForCausalLM (trust_remote_code=True)"]
+        f"exported coca strict (no RoPE scaling) to {out}: AutoModelForCausalLM (trust_remote_code=True)"]
     return run, out
 
 

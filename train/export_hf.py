@@ -102,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     m = model.cfg
     kind = m.attention if m.attention != "coca" else f"coca {m.coca_form}"
     code = "" if m.attention == "origin" else " (trust_remote_code=True)"
-    print(f"exported {kind} ({m.rope_scaling.type} RoPE scaling) to {out}: AutoModelForCausalLM{code}")
+    s = m.rope_scaling
+    rope = "" if m.attention == "alibi" else (" (no RoPE scaling)" if s.type == "none"
+                                              else f" (RoPE scaling {s.type}:{s.factor:g})")
+    print(f"exported {kind}{rope} to {out}: AutoModelForCausalLM{code}")
     return 0
 
 

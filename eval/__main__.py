@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -36,13 +34,14 @@ from data.documents import long_documents
 from data.sources import by_document, source_files
 from data.tasks import make_cases, make_recall_cases, recall_vocab
 from data.tokenizer import Tokenizer
+from errors import one_line
 from eval import report
 from eval.config import EvalConfig, Scaling, default_lengths
 from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_passkey, sweep_ppl, sweep_recall
 from eval.wandb_log import log_to_wandb
 from model import GPT
 from train.checkpoint import CheckpointError, find_checkpoint
-from train.config import CONF_DIR, TrainConfig, one_line
+from train.config import ConfigError, TrainConfig, compose_tree, validated
 from train.load import check_device, load_model
 
 
@@ -261,11 +260,13 @@ USAGE = """usage: python -m eval run=<run dir or checkpoint> [task=ppl|passkey|r
   keys: conf/eval.yaml (schema eval/config.py); --cfg job prints the composed config"""
 
 
+def _register_schema() -> None:
+    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """`conf/eval.yaml` with command-line overrides, type-checked against `EvalConfig`."""
-    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="eval"):
-        return hydra_compose(config_name="eval", overrides=overrides)
+    return compose_tree("eval", overrides, _register_schema, job_name="eval")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,10 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         if show:
             print(OmegaConf.to_yaml(dcfg))
             return 0
-        cfg: EvalConfig = OmegaConf.to_object(dcfg)
+        cfg = validated(EvalConfig, dcfg)
         torch.manual_seed(cfg.seed)
         written = evaluate(cfg)
-    except (EvalError, CheckpointError, HydraException, OmegaConfBaseException, ValueError, FileNotFoundError) as e:
+    except (EvalError, ConfigError, CheckpointError, HydraException, OmegaConfBaseException, ValueError,
+            FileNotFoundError) as e:
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 1 if isinstance(e, DataError) else 2  # data.cli: unusable input, else usage
     for task, paths in written.items():

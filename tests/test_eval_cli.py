@@ -192,3 +192,11 @@ def test_prompt_seed_must_be_run_fixed_or_a_seed(tmp_path, capsys):
     assert main([f"run={tmp_path}", "prompt_seed=first"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: prompt_seed='first' is not run, fixed or a non-negative integer")
+
+
+def test_eval_composes_like_train_an_added_key_is_one_line(capsys):
+    """The one composition (`train.config.compose_tree` + `validated`): `+key` is rejected as train
+    rejects it, before anything is loaded."""
+    assert main(["run=x", "+passkey.n_case=5"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "n_case" in lines[0], lines

@@ -8,9 +8,10 @@ generated from them (`train.engine.deepspeed_config`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
@@ -22,6 +23,8 @@ from omegaconf.errors import OmegaConfBaseException
 from data.config import DataConfig
 from errors import EXIT_USAGE, UserError, one_line
 from model.config import FLAVORS, ModelConfig, flavor
+
+T = TypeVar("T")
 
 DECAYS = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -215,12 +218,14 @@ def register_configs() -> None:
         store.store(group="model", name=name, node=flavor(name))
 
 
-def compose(overrides: list[str]) -> DictConfig:
-    """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema."""
-    register_configs()
+def compose_tree(config_name: str, overrides: list[str], register: Callable[[], None], job_name: str) -> DictConfig:
+    """`conf/<config_name>.yaml` composed with command-line overrides, once `register` has put its
+    schema in Hydra's store: the one composition of every command (train, eval, the data CLIs), so
+    each gives the same one-line errors, with the options of a group that has no such option."""
+    register()
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="train"):
-            return hydra_compose(config_name="config", overrides=overrides)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=job_name):
+            return hydra_compose(config_name=config_name, overrides=overrides)
     except MissingConfigException as error:
         options = ", ".join(error.options or [])
         raise ConfigError(f"{one_line(error)} (available: {options})" if options else one_line(error)) from None
@@ -230,11 +235,20 @@ def compose(overrides: list[str]) -> DictConfig:
         raise ConfigError(one_line(error)) from None
 
 
-def to_train_config(cfg: DictConfig) -> TrainConfig:
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema."""
+    return compose_tree("config", overrides, register_configs, job_name="train")
+
+
+def validated(schema: type[T], cfg: DictConfig) -> T:
     """The validated dataclass (runs every `__post_init__` check) of a composed config."""
     try:
         # Hydra lets `+key=value` add keys; merging onto the schema rejects those too.
         plain = OmegaConf.to_container(cfg, resolve=False)
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), plain))
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
     except (OmegaConfBaseException, ValueError, TypeError) as error:
         raise ConfigError(one_line(error)) from None
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    return validated(TrainConfig, cfg)

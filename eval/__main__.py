@@ -257,7 +257,7 @@ USAGE = """usage: python -m eval run=<run dir or checkpoint> [task=ppl|passkey|r
   e.g.  python -m eval run=runs/tiny task=ppl ppl.lengths=[128,512,2048] ppl.n_docs=5
         python -m eval run=runs/tiny scalings=[none,dynamic:2,dynamic:4,dynamic:8]
         python -m eval run=runs/tiny task=passkey model.rope_scaling.type=dynamic model.rope_scaling.factor=4
-  keys: conf/eval.yaml (schema eval/config.py); --cfg job prints the composed config"""
+  keys: eval/config.py (the schema; conf/eval.yaml composes it); --cfg job prints the composed config"""
 
 
 def _register_schema() -> None:

@@ -161,7 +161,8 @@ class DataConfig:
             raise ValueError(f"data.shuffle_buffer={self.shuffle_buffer} must be >= 0")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be >= 0")
-        if not (0 < self.val_fraction < 1 and 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1):
+        in_range = 0 < self.val_fraction < 1 and 0 < self.test_fraction < 1
+        if not (in_range and self.val_fraction + self.test_fraction < 1):
             raise ValueError(
                 f"data.val_fraction={self.val_fraction} and data.test_fraction={self.test_fraction} "
                 "must be in (0, 1) with a sum below 1"

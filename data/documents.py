@@ -41,7 +41,8 @@ def long_documents(cfg: DataConfig, tokenizer: Tokenizer, *, min_tokens: int, n_
     )
 
 
-def count_long_documents(cfg: DataConfig, tokenizer: Tokenizer, thresholds: list[int], split: str = "test") -> dict[int, int]:
+def count_long_documents(cfg: DataConfig, tokenizer: Tokenizer, thresholds: list[int],
+                         split: str = "test") -> dict[int, int]:
     """How many documents of a split reach each token count (text sources)."""
     check_split(split)
     lengths = [len(tokenizer.encode(text_of(e, src))) for src in cfg.sources if src.is_text

@@ -59,29 +59,35 @@ def prepare(cfg: DataConfig, out: str | Path, *, splits: tuple[str, ...] = SPLIT
             "vocab_size": tok.vocab_size, "splits": {}}
     for split in splits:
         check_split(split)
-        shards, buf, n_buf, docs = [], [], 0, 0
-
-        def flush() -> None:
-            nonlocal buf, n_buf
-            if n_buf:
-                name = f"{split}_{len(shards):05d}.bin"
-                np.concatenate(buf).astype(dtype).tofile(out / name)
-                shards.append({"file": name, "tokens": n_buf})
-                buf, n_buf = [], 0
-
-        for src in cfg.sources:
-            for example in open_source(src, split, cfg, seed=cfg.seed):
-                ids = tok.encode(text_of(example, src))
-                ids.append(tok.eos_id)
-                buf.append(np.asarray(ids, dtype=np.int64))
-                n_buf += len(ids)
-                docs += 1
-                if n_buf >= shard_tokens:
-                    flush()
-        flush()
-        meta["splits"][split] = {"shards": shards, "documents": docs}
+        meta["splits"][split] = _write_split(cfg, tok, split, out, dtype, shard_tokens)
     (out / META).write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def _write_split(cfg: DataConfig, tok: Tokenizer, split: str, out: Path, dtype: type,
+                 shard_tokens: int) -> dict:
+    """Write one split's shards of at least `shard_tokens` tokens (the last may be short); its meta entry."""
+    shards, buf, n_buf, docs = [], [], 0, 0
+
+    def flush() -> None:
+        nonlocal buf, n_buf
+        if n_buf:
+            name = f"{split}_{len(shards):05d}.bin"
+            np.concatenate(buf).astype(dtype).tofile(out / name)
+            shards.append({"file": name, "tokens": n_buf})
+            buf, n_buf = [], 0
+
+    for src in cfg.sources:
+        for example in open_source(src, split, cfg, seed=cfg.seed):
+            ids = tok.encode(text_of(example, src))
+            ids.append(tok.eos_id)
+            buf.append(np.asarray(ids, dtype=np.int64))
+            n_buf += len(ids)
+            docs += 1
+            if n_buf >= shard_tokens:
+                flush()
+    flush()
+    return {"shards": shards, "documents": docs}
 
 
 class TokenCursor:
@@ -101,7 +107,8 @@ class TokenCursor:
             raise FileNotFoundError(f"source {src.describe()}: no {META}; run `python -m data.prepare --out {root}`")
         meta = json.loads((root / META).read_text())
         if meta["tokenizer_sha256"] != tokenizer.sha256:
-            raise ValueError(f"source {src.describe()} was tokenized with another tokenizer ({root / 'tokenizer.model'})")
+            raise ValueError(f"source {src.describe()} was tokenized with another tokenizer "
+                             f"({root / 'tokenizer.model'})")
         if split not in meta["splits"] or not meta["splits"][split]["shards"]:
             raise ValueError(f"source {src.describe()}: split {split!r} was not prepared or is empty")
         shards = meta["splits"][split]["shards"]

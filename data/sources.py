@@ -35,9 +35,10 @@ import logging
 import os
 import sys
 import sysconfig
+from collections.abc import Iterator
 from itertools import takewhile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import datasets
 import numpy as np
@@ -390,7 +391,8 @@ def check_source(src: SourceConfig, split: str, cfg: DataConfig) -> None:
         if any(sizes):
             share = {"train": 1 - cfg.val_fraction - cfg.test_fraction, "val": cfg.val_fraction,
                      "test": cfg.test_fraction}[split]
-            fix = "lower data.val_fraction and data.test_fraction" if split == "train" else f"raise data.{split}_fraction"
+            fix = ("lower data.val_fraction and data.test_fraction" if split == "train"
+                   else f"raise data.{split}_fraction")
             raise DataError(
                 f"source {src.describe()}: split {split!r} got none of the source's {sum(sizes)} non-empty "
                 f"documents ({share:g} of each file's documents go to {split}); add documents, {fix}, "

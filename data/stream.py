@@ -173,7 +173,8 @@ def _tokens_carry(cfg: DataConfig, tokenizer: Tokenizer, src: SourceConfig, i: i
     cursors = []
     for state in olds:
         workers = max(state["num_workers"], 1)
-        cursor = TokenCursor(src, tokenizer, split="train", seed=cfg.seed, index=state["rank"] * workers + state["worker"],
+        cursor = TokenCursor(src, tokenizer, split="train", seed=cfg.seed,
+                             index=state["rank"] * workers + state["worker"],
                              consumers=state["world_size"] * workers, infinite=True)
         start = state.get("start")
         cursor.reset(start["sources"][i] if start and start["sources"] else None)
@@ -274,7 +275,9 @@ class PackedStream(torch.utils.data.IterableDataset):
         return me
 
     def state_dict(self) -> dict:
-        return self._state if self._state is not None else {**self._consumer(), "start": self.carry, "window": 0, "pos": 0}
+        if self._state is not None:
+            return self._state
+        return {**self._consumer(), "start": self.carry, "window": 0, "pos": 0}
 
     def load_state_dict(self, state: dict) -> None:
         self._state = self._resume = state

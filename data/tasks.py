@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol, Sequence
+from typing import Protocol
 
 HELD_OUT = 8  # one key in HELD_OUT belongs to evaluation
 

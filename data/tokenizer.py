@@ -15,7 +15,6 @@ Overrides are train's `data.*` keys without the prefix, in train's syntax (`data
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import fcntl
 import hashlib
@@ -24,9 +23,10 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 import sentencepiece as spm
 
@@ -96,7 +96,8 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
             bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise ValueError(f"token id {bad} is out of range: this tokenizer ({self.path}) has ids 0..{self.vocab_size - 1}")
+            raise ValueError(f"token id {bad} is out of range: this tokenizer ({self.path}) "
+                             f"has ids 0..{self.vocab_size - 1}")
         return self._sp.decode(ids)
 
     def __repr__(self) -> str:
@@ -111,7 +112,8 @@ def _cache_key(cfg: DataConfig) -> str:
     text = [s for s in cfg.sources if s.is_text]
     total = sum(s.weight for s in text)
     synthetic_only = ("task", "loss_on", "queries", "min_len")
-    sources = [{k: v for k, v in dataclasses.asdict(s).items() if k not in synthetic_only} | {"weight": s.weight / total}
+    sources = [{k: v for k, v in dataclasses.asdict(s).items() if k not in synthetic_only}
+               | {"weight": s.weight / total}
                | ({"split_rule": "document"} if by_document(s) else {})  # its train sample changed with the rule
                for s in text]  # the text sample alone defines the tokenizer, not the synthetic rows
     spec = {

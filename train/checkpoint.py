@@ -18,8 +18,9 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -200,7 +201,9 @@ def marker(ckpt: Path) -> dict[str, Any]:
     try:
         return json.loads((ckpt / MARKER).read_text())
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"checkpoint {ckpt}: its {MARKER} marker is unreadable ({error}){older_hint(ckpt)}") from None
+        raise CheckpointError(
+            f"checkpoint {ckpt}: its {MARKER} marker is unreadable ({error}){older_hint(ckpt)}"
+        ) from None
 
 
 def _damage(ckpt: Path, written: dict[str, Any]) -> Optional[str]:
@@ -229,7 +232,8 @@ def older_hint(ckpt: Path) -> str:
         return ""
     for older in reversed(complete_checkpoints(ckpt.parent.parent)):
         try:
-            sound = _step_of(older) < _step_of(ckpt) and _damage(older, json.loads((older / MARKER).read_text())) is None
+            sound = (_step_of(older) < _step_of(ckpt)
+                     and _damage(older, json.loads((older / MARKER).read_text())) is None)
         except (OSError, ValueError):
             sound = False
         if sound:
@@ -260,7 +264,9 @@ def load(engine, ckpt: Path, *, universal: bool = False) -> None:
     try:
         loaded, _ = engine.load_checkpoint(str(load_dir), tag=tag)
     except Exception as error:  # noqa: BLE001 - DeepSpeed/torch raise many types for a bad file
-        raise CheckpointError(f"checkpoint {ckpt} is corrupt or unreadable: {first_line(error)}{older_hint(ckpt)}") from None
+        raise CheckpointError(
+            f"checkpoint {ckpt} is corrupt or unreadable: {first_line(error)}{older_hint(ckpt)}"
+        ) from None
     if loaded is None:
         raise CheckpointError(f"checkpoint {ckpt} is missing DeepSpeed files{older_hint(ckpt)}")
     if universal:

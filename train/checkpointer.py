@@ -7,9 +7,10 @@ by `train.checkpoint.save`). Writing, atomic commit and pruning are `train.check
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from train import checkpoint
 from train.faults import FaultInjector

@@ -18,8 +18,9 @@ import contextlib
 import io
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from errors import first_line
 from train import distributed as dist

@@ -11,8 +11,9 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

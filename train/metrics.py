@@ -17,15 +17,16 @@ import resource
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from tqdm import tqdm
 
-from train.config import LoggerConfig
 from train.checkpoint import CheckpointError
+from train.config import LoggerConfig
 
 
 def peak_memory_gb() -> float:

@@ -27,7 +27,8 @@ _GROUPS = "set on the optimizer's param groups after the checkpoint is loaded"
 _LOADER = "the data loader's saved position cannot follow it"
 _FUNCTION = "it changes the function the saved weights were trained for"
 _START = "it acts only at a run's start, so config.yaml would misreport the run"
-_LAYOUT = "DeepSpeed cannot load the saved optimizer state under it (a ZeRO-0 checkpoint loads under ZeRO-1 with fresh optimizer moments, silently)"
+_LAYOUT = ("DeepSpeed cannot load the saved optimizer state under it "
+           "(a ZeRO-0 checkpoint loads under ZeRO-1 with fresh optimizer moments, silently)")
 
 RULES: dict[str, tuple[str, str]] = {
     "optim.lr": (HONOUR, _SCHEDULE),
@@ -70,7 +71,8 @@ RULES: dict[str, tuple[str, str]] = {
     "micro_batch_size": (REFUSE, _LOADER),
     "seed": (REFUSE, _START),
     "deepspeed": (REFUSE, _LAYOUT),
-    "deepspeed.precision": (REFUSE, "the saved weights and optimizer state are laid out for the precision they were trained in"),
+    "deepspeed.precision": (REFUSE, "the saved weights and optimizer state are laid out "
+                                    "for the precision they were trained in"),
     "deepspeed.fp16_initial_scale_power": (REFUSE, _START + " (the loss scale is restored)"),
 }
 
@@ -96,7 +98,9 @@ def leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":")) if not isinstance(value, (int, float, str)) or isinstance(value, bool) else str(value)
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        return str(value)
+    return json.dumps(value, separators=(",", ":"))
 
 
 def _saved(ckpt: Path) -> dict[str, Any]:

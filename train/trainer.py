@@ -27,9 +27,9 @@ from train import distributed as dist
 from train.checkpointer import Checkpointer, Progress
 from train.config import ConfigError, TrainConfig
 from train.engine import build_engine, deepspeed_config, resolve_precision
-from train.load import TOKENIZER_FILE, fp32_state_dict
 from train.faults import FaultInjector
 from train.flops import device_peak_flops, flops_per_token
+from train.load import TOKENIZER_FILE, fp32_state_dict
 from train.metrics import Reporter, Throughput, peak_memory_gb, records_up_to
 from train.restore import checkpoint_to_resume, plan_resume, restore
 from train.schedule import lr_at

@@ -87,8 +87,8 @@ def test_cache_dir_that_is_a_file(tmp_path, capsys):
     _corpus(tmp_path / "corpus.jsonl")
     (tmp_path / "cache").write_text("keep me")
     before = _snapshot(tmp_path)
-    code = _exit_code(tokenizer_main, ["train", _files_source(tmp_path / "corpus.jsonl"), f"cache_dir={tmp_path / 'cache'}",
-                                       "tokenizer.vocab_size=300"])
+    code = _exit_code(tokenizer_main, ["train", _files_source(tmp_path / "corpus.jsonl"),
+                                       f"cache_dir={tmp_path / 'cache'}", "tokenizer.vocab_size=300"])
     _one_error(capsys, code, 2, "data.cache_dir=", "is a file, not a directory")
     assert _snapshot(tmp_path) == before
 

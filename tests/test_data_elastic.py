@@ -36,7 +36,8 @@ def _write(root: Path, prefix: str, files: int, docs: int, seed: int) -> None:
     for split in ("train", "val"):
         (root / split).mkdir(parents=True)
         for f in range(files):
-            lines = [json.dumps({"text": f"<{prefix}-{f}-{k}> " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))})
+            lines = [json.dumps({"text": f"<{prefix}-{f}-{k}> "
+                                 + " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))})
                      for k in range(docs)]
             (root / split / f"part-{f:02d}.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -48,13 +49,16 @@ def setup(tmp_path_factory) -> tuple[Tokenizer, DataConfig, list[tuple[int, ...]
     root = tmp_path_factory.mktemp("elastic")
     _write(root / "tok", "a", files=4, docs=12, seed=0)
     _write(root / "text", "b", files=4, docs=12, seed=1)
-    tok = get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=400, sample_docs=30), cache_dir=str(root / "cache")))
+    tok = get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=400, sample_docs=30),
+                                   cache_dir=str(root / "cache")))
     text_cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(root / "tok" / "{split}" / "*.jsonl"))],
                           tokenizer=TokenizerConfig(model_path=tok.path))
     prepare(text_cfg, root / "bin", splits=("train", "val"))
     meta = json.loads((root / "bin" / "meta.json").read_text())
-    tokens = np.concatenate([np.fromfile(root / "bin" / s["file"], dtype=meta["dtype"]) for s in meta["splits"]["train"]["shards"]])
-    blocks = [tuple(int(t) for t in tokens[b * (SEQ + 1) : (b + 1) * (SEQ + 1)]) for b in range(len(tokens) // (SEQ + 1))]
+    tokens = np.concatenate([np.fromfile(root / "bin" / s["file"], dtype=meta["dtype"])
+                             for s in meta["splits"]["train"]["shards"]])
+    blocks = [tuple(int(t) for t in tokens[b * (SEQ + 1) : (b + 1) * (SEQ + 1)])
+              for b in range(len(tokens) // (SEQ + 1))]
     cfg = DataConfig(sources=[SourceConfig(kind="tokens", path=str(root / "bin"), weight=2.0),
                               SourceConfig(kind="files", path=str(root / "text" / "{split}" / "*.jsonl"))],
                      shuffle_buffer=4, num_workers=2)
@@ -123,7 +127,9 @@ def test_the_new_layout_resumes_exactly_and_continues_again(setup):
     tok, cfg, _ = setup
     states, _ = _old_ranks(setup, world=2, batches=3)
     carry = continuation(cfg, tok, SEQ, states)
-    make = lambda: _loader(setup, 1, 0, workers=2, layout_step=3, carry=carry)
+    def make():
+        return _loader(setup, 1, 0, workers=2, layout_step=3, carry=carry)
+
     reference = [b for _, b in zip(range(12), make())]
     loader = make()
     it = iter(loader)

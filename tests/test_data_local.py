@@ -25,7 +25,8 @@ SPLITS = ("train", "val", "test")
 def _books(path: Path, n: int, words: tuple[int, int] = (5, 40), seed: int = 0) -> list[str]:
     """A jsonl file of `n` unique documents, each naming itself: `<name> words </name>`."""
     rng = random.Random(seed)
-    docs = [f"<{path.stem}-{k}> " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) + f" </{path.stem}-{k}>"
+    docs = [f"<{path.stem}-{k}> " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(*words)))
+            + f" </{path.stem}-{k}>"
             for k in range(n)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": d, "id": k}) + "\n" for k, d in enumerate(docs)))
@@ -121,7 +122,9 @@ def test_placeholder_paths_keep_their_files(tmp_path):
 def test_resume_three_times_one_file(tok, tmp_path):
     path = tmp_path / "small.jsonl"
     _books(path, 20)  # about 2000 tokens of train documents: 120 batches of 3 x 16 cross epochs
-    make = lambda: build_loader(_cfg(str(path), shuffle_buffer=5), tok, split="train", seq_len=15, batch_size=3)
+    def make():
+        return build_loader(_cfg(str(path), shuffle_buffer=5), tok, split="train", seq_len=15, batch_size=3)
+
     loader = make()
     ref = _take(loader, 120)
     assert loader.state_dict()["dataset_state"]["start"]["sources"][0]["epoch"] >= 1  # crosses an epoch
@@ -142,7 +145,9 @@ def test_ranks_partition_a_one_file_split(tok, book):
         assert mine == single[rank::3]
         seen += mine
     assert sorted(seen) == sorted(single)
-    make = lambda: build_loader(cfg, tok, split="train", seq_len=15, batch_size=2, rank=1, world_size=3)
+    def make():
+        return build_loader(cfg, tok, split="train", seq_len=15, batch_size=2, rank=1, world_size=3)
+
     _assert_same(_resumed(make, [5, 19], 40), _take(make(), 40))
 
 
@@ -174,7 +179,8 @@ def test_too_few_documents_for_a_split_fails_before_the_tokenizer_trains(tmp_pat
     _books(tmp_path / "tiny.jsonl", 3)
     cache = tmp_path / "cache"
     cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "tiny.jsonl"))], cache_dir=str(cache))
-    with pytest.raises(DataError, match=r"split 'val' got none of the source's 3 non-empty documents.*raise data.val_fraction"):
+    with pytest.raises(DataError, match=r"split 'val' got none of the source's 3 non-empty documents"
+                                        r".*raise data.val_fraction"):
         get_tokenizer(cfg)
     assert not cache.exists()
 

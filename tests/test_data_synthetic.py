@@ -156,7 +156,8 @@ def test_training_and_evaluation_keys_are_disjoint(tok):
 
 
 def test_too_short_blocks_fail_at_loader_build_with_one_line(tok):
-    cfg = DataConfig(sources=[_source("passkey")], num_workers=0, tokenizer=TokenizerConfig(vocab_size=1024, sample_docs=60))
+    cfg = DataConfig(sources=[_source("passkey")], num_workers=0,
+                     tokenizer=TokenizerConfig(vocab_size=1024, sample_docs=60))
     with pytest.raises(ValueError, match="raise model.max_seq_len"):
         build_loader(cfg, tok, split="train", seq_len=64, batch_size=2)
 

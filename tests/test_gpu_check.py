@@ -131,4 +131,5 @@ def test_install_plan(tmp_path: Path, capsys) -> None:
 def test_script_parses() -> None:
     for script in ("bench/gpu_check.sh", "bench/make_wheels.sh"):
         assert subprocess.run(["bash", "-n", script], cwd=ROOT).returncode == 0, script
-    assert subprocess.run([sys.executable, "bench/gpu_check.py", "--help"], cwd=ROOT, capture_output=True).returncode == 0
+    helped = subprocess.run([sys.executable, "bench/gpu_check.py", "--help"], cwd=ROOT, capture_output=True)
+    assert helped.returncode == 0

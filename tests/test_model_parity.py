@@ -5,7 +5,6 @@ import torch
 
 from model import GPT, ModelConfig
 
-
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 

@@ -13,9 +13,21 @@ import signal
 import subprocess
 
 import pytest
-
-from test_train_preempt import (REPO, SLOW, TIMEOUT, cache, check_resumed, check_stopped, cleanup, env, finish,
-                                free_port, overrides, start, wait_for_step)
+from test_train_preempt import (
+    REPO,
+    SLOW,
+    TIMEOUT,
+    cache,
+    check_resumed,
+    check_stopped,
+    cleanup,
+    env,
+    finish,
+    free_port,
+    overrides,
+    start,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.slow
 __all__ = ["cache"]  # the shared tokenizer cache fixture
@@ -38,7 +50,8 @@ def test_two_nodes_preempted_then_resumed_on_one(cache, tmp_path, stage):
     assert [node.returncode for node in nodes] == [128 + signal.SIGTERM] * 2, errs[0][-2000:] + errs[1][-2000:]
     step = check_stopped(run_dir, 0, 2, "".join(errs))
 
-    resumed = subprocess.run([str(REPO / "launch" / "train_single_node.sh"), *overrides(run_dir, cache, *zero, "resume=auto")],
+    resumed = subprocess.run([str(REPO / "launch" / "train_single_node.sh"),
+                              *overrides(run_dir, cache, *zero, "resume=auto")],
                              cwd=REPO, env=env(NUM_GPUS="1"), capture_output=True, text=True, timeout=TIMEOUT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     check_resumed(run_dir, step, resumed.stderr)

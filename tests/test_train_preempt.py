@@ -126,7 +126,8 @@ def check_stopped(run_dir: Path, after: int, world_size: int, err: str) -> int:
     assert [int(p.name[5:]) for p in saved if int(p.name[5:]) > after] == [step], saved
     assert step == max(losses(run_dir)) and after < step < MAX_STEPS, (step, losses(run_dir), err[-2000:])
     assert json.loads((saved[-1] / "COMPLETE").read_text())["world_size"] == world_size
-    assert sorted(p.name for p in saved[-1].glob("client_rank*.pt")) == [f"client_rank{r}.pt" for r in range(world_size)]
+    clients = sorted(p.name for p in saved[-1].glob("client_rank*.pt"))
+    assert clients == [f"client_rank{r}.pt" for r in range(world_size)]
     assert "DataLoader worker" not in err, err[-3000:]
     return step
 

@@ -63,7 +63,8 @@ def test_resume_check_honours_schedule_keys_and_refuses_the_rest_in_one_line(tmp
     ckpt = _fake_checkpoint(tmp_path, 20, _cfg(*base))
     assert resume.check(ckpt, _cfg(*base, "resume=auto")) == []
     changed = resume.check(ckpt, _cfg(*base, "optim.lr=1e-2", "max_steps=40", "eval_every=5", "logger.wandb=offline"))
-    assert changed == ["eval_every 10 -> 5", "logger.wandb auto -> offline", "max_steps 30 -> 40", "optim.lr 0.003 -> 0.01"]
+    assert changed == ["eval_every 10 -> 5", "logger.wandb auto -> offline", "max_steps 30 -> 40",
+                       "optim.lr 0.003 -> 0.01"]
     for override, old, new in [("data.num_workers=1", "data.num_workers=0", "data.num_workers=1"),
                                ("model.max_seq_len=64", "model.max_seq_len=32", "model.max_seq_len=64"),
                                ("seed=7", "seed=42", "seed=7"),
@@ -74,7 +75,8 @@ def test_resume_check_honours_schedule_keys_and_refuses_the_rest_in_one_line(tmp
         message = str(error.value)
         assert "\n" not in message and f"has {old}" in message and f"this run has {new}" in message, message
         assert f"init_from={ckpt}" in message
-    with pytest.raises(CheckpointError, match=r"has data.num_workers=0, micro_batch_size=4, this run has data.num_workers=2, micro_batch_size=2"):
+    with pytest.raises(CheckpointError, match=r"has data.num_workers=0, micro_batch_size=4, "
+                                              r"this run has data.num_workers=2, micro_batch_size=2"):
         resume.check(ckpt, _cfg(*base, "data.num_workers=2", "micro_batch_size=2"))
     with pytest.raises(CheckpointError, match="max_steps=10 is below the step of checkpoint .* set max_steps >= 20"):
         resume.check(ckpt, _cfg(*base, "max_steps=10"))

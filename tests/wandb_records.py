@@ -35,7 +35,8 @@ def history(path: Path) -> dict[int, dict]:
             record.ParseFromString(payload)
             payload = b""
             if record.WhichOneof("record_type") == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
                 rows.setdefault(int(row["_step"]), {}).update(row)
         elif kind == ZERO:
             break

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import signal
 from typing import Optional
 
@@ -26,6 +28,21 @@ def ignore_stop_signals(_worker_id: int) -> None:
     """
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _kill_workers_at_exit() -> None:
+    """At interpreter exit, multiprocessing terminates daemonic children with SIGTERM and joins
+    them. Our workers ignore SIGTERM, so a worker whose iterator is still alive at exit (one that
+    raised while starting, held by a traceback) would block the exit forever: kill them first.
+    Registered after multiprocessing's own exit handler, so it runs before it. torch's SIGCHLD
+    handler, which reports a killed worker as an error, is put back to the default first."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+atexit.register(_kill_workers_at_exit)
 
 
 def _check_shards(cfg: DataConfig, split: str, rank: int, world_size: int) -> None:

@@ -19,6 +19,7 @@ from data.prepare import prepare
 from data.sources import open_source, source_files, split_of, text_of
 from data.tokenizer import Tokenizer, get_tokenizer
 from data.tokenizer import main as tokenizer_cli
+from run_checks import clean_env
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
 
@@ -295,6 +296,41 @@ def test_val_loader_restarts_on_every_pass(tok, corpus):
     assert len(full) == len(again) > 3
     _assert_same(again, full)
     _assert_same(first, full[:3])
+
+
+_REFUSED_STATE_SCRIPT = """
+import sys
+from data.config import DataConfig, TokenizerConfig
+from data.loader import build_loader
+from data.tokenizer import get_tokenizer
+
+cfg = DataConfig(tokenizer=TokenizerConfig(vocab_size=512, sample_docs=30), cache_dir=sys.argv[1], num_workers=2)
+tok = get_tokenizer(cfg)
+first = build_loader(cfg, tok, split="train", seq_len=32, batch_size=2)
+next(iter(first))
+other = build_loader(cfg, tok, split="train", seq_len=64, batch_size=2)  # the state is refused here
+other.load_state_dict(first.state_dict())
+try:
+    next(iter(other))
+except ValueError:
+    held = sys.exc_info()  # the traceback keeps the refused iterator, and its workers, to the end
+    print("refused")
+"""
+
+
+def test_a_process_whose_loader_workers_outlive_an_error_still_exits(tok):
+    """The workers ignore SIGTERM (a scheduler's signal to the process group must not kill them),
+    which multiprocessing's exit handler sends before it joins them: without `data.loader`'s own
+    exit handler, a process holding a refused iterator never exits (it hung until killed)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", _REFUSED_STATE_SCRIPT, str(Path(tok.path).parents[1])],
+                            cwd=repo, env={**clean_env(), "PYTHONPATH": str(repo)}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["refused"], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and "killed by signal" not in result.stderr, result.stderr[-2000:]
 
 
 def test_stream_pickles_for_spawned_workers(tok, corpus):

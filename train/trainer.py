@@ -166,8 +166,9 @@ def _grad_norm(model: torch.nn.Module) -> float:
 
 
 @dataclass
-class _Preflight:
-    """What `setup` learns before anything is written: every check that can fail does so here."""
+class _Checked:
+    """What `setup` learns before anything is written (the resume rules, the metrics log, the
+    tokenizer); `train.preflight` made the cheap checks before DeepSpeed started."""
 
     resume_from: Optional[Path]
     changed: list[str]  # the settings a resume changes (honoured), for the log
@@ -177,7 +178,7 @@ class _Preflight:
     tokenizer: Any
 
 
-def _preflight(cfg: TrainConfig) -> _Preflight:
+def _checks(cfg: TrainConfig) -> _Checked:
     resume_from = checkpoint_to_resume(cfg)  # `train.preflight` has checked the run directory
     changed = resume.check(resume_from, cfg) if resume_from is not None else []
     step = checkpoint.marker(resume_from)["step"] if resume_from is not None else 0
@@ -191,7 +192,7 @@ def _preflight(cfg: TrainConfig) -> _Preflight:
             f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={cfg.model.vocab_size}: "
             "set data.tokenizer.vocab_size to match"
         )
-    return _Preflight(resume_from, changed, kept, warning, init_from, tokenizer)
+    return _Checked(resume_from, changed, kept, warning, init_from, tokenizer)
 
 
 def _build_model(cfg: TrainConfig, init_from: Optional[Path]) -> GPT:
@@ -220,7 +221,7 @@ def _write_run_files(cfg: TrainConfig, tokenizer) -> dict[str, bytes]:
 
 def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
     """Check, build, restore, then write the run's files and open its reporter."""
-    checked = _preflight(cfg)
+    checked = _checks(cfg)
     faults = FaultInjector(cfg.debug)
     model = _build_model(cfg, checked.init_from)
     plan = plan_resume(checked.resume_from, cfg, checked.tokenizer, faults) if checked.resume_from else None

@@ -1,7 +1,19 @@
-"""Shared test fixtures."""
+"""Shared test fixtures: one thread for tiny ops, the session's small tokenizer, and the one
+trained micro run that the modules reading a trained run (evaluation, generation) share instead of
+each training their own."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+from data.config import DataConfig, TokenizerConfig
+from data.tokenizer import Tokenizer, get_tokenizer
+from run_checks import clean_env
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -11,3 +23,25 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def tok(tmp_path_factory) -> Tokenizer:
+    """A small stdlib tokenizer (512 pieces), trained once for the session (about a second);
+    modules that need another define their own `tok`."""
+    cache = tmp_path_factory.mktemp("cache")
+    return get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=512, sample_docs=30), cache_dir=str(cache)))
+
+
+@pytest.fixture(scope="session")
+def micro_run(tmp_path_factory) -> Path:
+    """`experiment=micro` trained 20 steps (one checkpoint, at step 20; validated at 20), with the
+    session's micro tokenizer cache (`<basetemp>/eval_tokenizer`, which tests/test_eval_passkey.py
+    trains the same tokenizer into)."""
+    run_dir = tmp_path_factory.mktemp("micro_run") / "micro"
+    cmd = [sys.executable, "-m", "train", "experiment=micro", "logger=none", f"run_dir={run_dir}",
+           "max_steps=20", "ckpt_every=20", "eval_every=20", "logger.progress=false",
+           f"data.cache_dir={tmp_path_factory.getbasetemp() / 'eval_tokenizer'}"]
+    done = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir

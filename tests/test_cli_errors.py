@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.config import DataConfig, TokenizerConfig
 from data.prepare import main as prepare_main
-from data.tokenizer import Tokenizer, get_tokenizer
+from data.tokenizer import Tokenizer
 from data.tokenizer import main as tokenizer_main
 from eval.__main__ import main as eval_main
 from eval.report import main as report_main
@@ -57,12 +56,6 @@ def _exit_code(fn, argv: list[str]) -> int:
     with pytest.raises(SystemExit) as done:
         fn(argv)
     return done.value.code
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    cache = tmp_path_factory.mktemp("cache")
-    return get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=512, sample_docs=30), cache_dir=str(cache)))
 
 
 # --- data sources -------------------------------------------------------------------------------

@@ -45,13 +45,6 @@ def _write_corpus(root: Path, files: dict[str, int], docs_per_file: int,
 
 
 @pytest.fixture(scope="session")
-def tok(tmp_path_factory) -> Tokenizer:
-    """A small stdlib tokenizer, trained once for the session (about a second)."""
-    cache = tmp_path_factory.mktemp("cache")
-    return get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=512, sample_docs=30), cache_dir=str(cache)))
-
-
-@pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> tuple[Path, dict[str, list[str]]]:
     root = tmp_path_factory.mktemp("corpus")
     # train: short documents so epochs end quickly; val: documents longer than two blocks of 16.

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.config import DataConfig, DataError, SourceConfig, TokenizerConfig
+from data.config import DataConfig, DataError, SourceConfig
 from data.documents import long_documents
 from data.loader import build_loader
 from data.sources import document_split, open_source, text_of
-from data.tokenizer import Tokenizer, get_tokenizer
+from data.tokenizer import get_tokenizer
 from tests.test_data import _assert_same, _resumed, _take
 
 pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated")
@@ -42,12 +42,6 @@ def _cfg(path: str, **kw) -> DataConfig:
 def _split_docs(cfg: DataConfig, split: str, **kw) -> list[str]:
     src = cfg.sources[0]
     return [text_of(e, src) for e in open_source(src, split, cfg, seed=cfg.seed, **kw)]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
-    cache = tmp_path_factory.mktemp("cache")
-    return get_tokenizer(DataConfig(tokenizer=TokenizerConfig(vocab_size=512, sample_docs=30), cache_dir=str(cache)))
 
 
 @pytest.fixture(scope="module")

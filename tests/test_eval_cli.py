@@ -24,14 +24,8 @@ L0 = 32  # the micro experiment's training length
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("eval_run") / "micro"
-    cmd = [sys.executable, "-m", "train", "experiment=micro", "logger=none", f"run_dir={run_dir}",
-           "max_steps=20", "ckpt_every=20", "eval_every=20", "logger.progress=false",
-           f"data.cache_dir={tmp_path_factory.getbasetemp() / 'eval_tokenizer'}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir
+def run(micro_run) -> Path:
+    return micro_run  # the session's trained micro run (tests/conftest.py)
 
 
 def evaluate(run: Path, out: Path, *overrides: str) -> dict:

@@ -24,6 +24,7 @@ from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 from hf.export import ExportError, export_hf
 from model import GPT, ModelConfig
+from run_checks import clean_env
 from train.export_hf import main as export_main
 from train.load import load_model
 
@@ -291,8 +292,7 @@ torch.save({"ids": ids, "logits": logits, "generated": generated, "class": type(
 
 
 def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
-    return {**env, "OMP_NUM_THREADS": "1", "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return clean_env(HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 
 
 def _ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

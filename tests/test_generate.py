@@ -4,7 +4,6 @@ and `python -m generate` on a run trained here (fixed seed, fixed text; bad inpu
 from __future__ import annotations
 
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from generate import sample
 from generate.__main__ import Printer, main
 from model import GPT, ModelConfig
 from model.sampling import filter_logits
+from run_checks import clean_env
 from train.load import load_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -94,20 +94,12 @@ def test_bad_input_is_one_line(argv, expected, capsys):
 # ---- slow: the command on a trained run ------------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
-    return {**env, "OMP_NUM_THREADS": "1"}
+_env = clean_env  # the one scrubber (tests/run_checks.py)
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("generate_run")
-    done = subprocess.run([sys.executable, "-m", "train", "experiment=micro", "logger=none", "logger.progress=false",
-                           f"run_dir={root / 'run'}", f"data.cache_dir={root / 'cache'}", "max_steps=10",
-                           "ckpt_every=10", "eval_every=10"], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return root / "run"
+def run(micro_run) -> Path:
+    return micro_run  # the session's trained micro run (tests/conftest.py)
 
 
 def generate(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -148,9 +148,13 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         cache: KVCache | None = None,
         logits_to_keep: int = 0,
+        loss_tokens: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] (only the last `logits_to_keep` positions' if > 0: the LM head skips
-        the rest); with `targets` [B, T], the mean cross entropy (-100 ignored) instead."""
+        the rest); with `targets` [B, T], the summed cross entropy (-100 ignored) divided by
+        `loss_tokens` instead: by default the number of counted targets (the mean). Training
+        passes a share of the global batch's count, so that micro-batches and ranks are weighted
+        by their tokens (`train.trainer`)."""
         h = self.hidden_states(idx, cache)
         if targets is None:
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
@@ -159,7 +163,7 @@ class GPT(nn.Module):
         counted = targets != -100
         if not bool(counted.all()):  # the LM head runs on counted positions only (answer-only rows: a few)
             h, targets = h[counted], targets[counted]
-        return self.lm_head(h, targets) / counted.sum()
+        return self.lm_head(h, targets) / (counted.sum() if loss_tokens is None else loss_tokens)
 
     @torch.no_grad()
     def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

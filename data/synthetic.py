@@ -41,6 +41,18 @@ def split_block(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], targets
 
 
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """[B, T] document id of each input token, for document masking (`model.doc_mask`).
+
+    The stream writes one EOS at every document boundary and nowhere else (sentencepiece never
+    encodes text to its EOS, a control symbol), and the EOS that starts a document belongs to it:
+    ids are the running count of EOS. They follow from the tokens alone, so the loader's state and
+    exact resume are unchanged. Tokens before a row's first EOS (the tail of a document begun in the
+    previous row) are document 0 of the row; each EOS of a synthetic row's padding is its own.
+    """
+    return (tokens == eos_id).cumsum(dim=-1)
+
+
 def untrained(ids: np.ndarray) -> np.ndarray:
     """Mark ids as input only (not targets)."""
     return -ids - 1

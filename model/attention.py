@@ -5,7 +5,8 @@
     coca strict  q_eff = rope([|q_j|^2, 0], m)   k_eff = rope([t_j, 0], n)   (paper Eq. 9, exact)
     alibi        q_eff = q                       k_eff = k, plus bias -slope_h * (m - n)
 
-Scores are q_eff . k_eff / sqrt(head_dim) under the causal mask. Origin and both CoCA forms run on
+Scores are q_eff . k_eff / sqrt(head_dim) under the causal mask (with document masking, also only
+within the query's document: `model.documents`). Origin and both CoCA forms run on
 `scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels: no N x N score
 matrix). ALiBi runs on FlexAttention with a score modification where it can (see `alibi_attention`).
 
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .documents import chunked_document_attention, document_block_mask
 from .transforms import RopeTables, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie, origin_qk
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
@@ -51,8 +53,11 @@ class AttentionInputs(NamedTuple):
 # ---- kernels -------------------------------------------------------------------------------------
 
 
-def causal_attention(q, k, v, alibi: bool = False) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) [+ ALiBi bias]) v, query i at position Tk - Tq + i (KV-cache aware)."""
+def causal_attention(q, k, v, alibi: bool = False, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) [+ ALiBi bias]) v, query i at position Tk - Tq + i (KV-cache aware);
+    with `documents` [B, T], only over earlier keys of the query's own document (`model.documents`)."""
+    if documents is not None:
+        return _document_attention(q, k, v, documents, alibi)
     if alibi:
         return alibi_attention(q, k, v)
     tq, tk = q.shape[-2], k.shape[-2]
@@ -145,6 +150,17 @@ def _alibi_score_mod(n_head: int, device: str):
     return score_mod
 
 
+def _document_attention(q, k, v, documents: torch.Tensor, alibi: bool) -> torch.Tensor:
+    """Document-masked attention: FlexAttention on GPU, chunks of query rows on CPU."""
+    if q.shape[-2] != k.shape[-2] or documents.shape != (q.shape[0], q.shape[-2]):
+        raise ValueError(f"document masking needs q and k of one length (no KV cache) and documents [B, T]; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.shape)}")
+    if not q.is_cuda:
+        return chunked_document_attention(q, k, v, documents, alibi)
+    mod = _alibi_score_mod(q.shape[1], str(q.device)) if alibi else None
+    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=document_block_mask(documents))
+
+
 def _flex_alibi(q, k, v) -> torch.Tensor:
     device = str(q.device)
     flex = _compiled_flex()
@@ -194,8 +210,10 @@ class CausalSelfAttention(nn.Module):
         rope: RopeTables | None,
         cache: LayerCache | None = None,
         capture: list[AttentionInputs] | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens."""
+        """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens;
+        documents [B, T]: each token's document id, for document masking (None: one document)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
         if self.attention == "coca":
@@ -207,5 +225,5 @@ class CausalSelfAttention(nn.Module):
         alibi = self.attention == "alibi"
         if capture is not None:
             capture.append(AttentionInputs(q, k, _slopes(self.n_head, str(x.device)) if alibi else None))
-        y = causal_attention(q, k, v, alibi)
+        y = causal_attention(q, k, v, alibi, documents)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -74,6 +74,8 @@ class ModelConfig:
     attention: origin (RoPE) | alibi | coca; coca_form: slack (released code) | strict (Eq. 9).
     max_seq_len: the training length L0 (dynamic NTK and YaRN scale relative to it).
     rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
+    doc_mask: within a packed row, a token attends only to earlier tokens of its own document.
+    doc_positions: with doc_mask, positions restart at 0 at each document's first token.
     """
 
     vocab_size: int = 4096
@@ -92,6 +94,8 @@ class ModelConfig:
     init_std: float = 0.02
     tie_embeddings: bool = False
     activation_checkpointing: bool = False
+    doc_mask: bool = False
+    doc_positions: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -129,6 +133,9 @@ class ModelConfig:
                 f"model.rope_scaling.type={scaling!r} needs more than 2 rotary dims "
                 f"(got {self.rotary_dims}); raise model.rotary_pct or the head dimension"
             )
+        if self.doc_positions and not self.doc_mask:
+            raise ValueError("model.doc_positions=true needs model.doc_mask=true (positions restart at "
+                             "each document only where attention stays within it)")
         if self.init_std <= 0 or self.layernorm_eps <= 0:
             raise ValueError("model.init_std and model.layernorm_eps must be > 0")
 

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig, RopeScaling
+from .documents import positions as document_positions
 from .loss import linear_cross_entropy_sum, token_losses
 from .sampling import check_sampling, next_token
 from .transforms import Rope, RopeTables
@@ -55,10 +56,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None):
+    def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None, documents=None):
         if self.parallel:
-            return x + self.attn(self.ln_1(x), rope, cache, capture) + self.mlp(self.ln_2(x))
-        x = x + self.attn(self.ln_1(x), rope, cache, capture)
+            return x + self.attn(self.ln_1(x), rope, cache, capture, documents) + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x), rope, cache, capture, documents)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -113,11 +114,21 @@ class GPT(nn.Module):
     # ---- forward ---------------------------------------------------------------------------------
 
     def hidden_states(
-        self, idx: torch.Tensor, cache: KVCache | None = None, capture: list | None = None
+        self,
+        idx: torch.Tensor,
+        cache: KVCache | None = None,
+        capture: list | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final (ln_f) hidden states [B, T, C]. With a cache, idx continues the cached tokens."""
+        """Final (ln_f) hidden states [B, T, C]. With a cache, idx continues the cached tokens.
+
+        documents [B, T]: each token's document id in a packed row (non-decreasing), read where
+        `cfg.doc_mask` is on (None: the row is one document); see `model.documents`."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
+        documents = documents if self.cfg.doc_mask else None
+        if documents is not None and cache is not None:
+            raise ValueError("document masking is for packed rows; a KV cache continues one document")
         T = idx.shape[1]
         past = 0
         if cache is not None:
@@ -131,15 +142,18 @@ class GPT(nn.Module):
         x = self.wte(idx)
         rope = None
         if self.rope is not None:
-            positions = torch.arange(past, length, device=idx.device)
-            rope = self.rope.tables(positions, length, x.dtype)
+            if documents is not None and self.cfg.doc_positions:  # [B, T]: per row, heads broadcast
+                cos, sin = self.rope.tables(document_positions(documents), length, x.dtype)
+                rope = cos[:, None], sin[:, None]
+            else:
+                rope = self.rope.tables(torch.arange(past, length, device=idx.device), length, x.dtype)
         remat = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
             if remat and layer_cache is None and capture is None:
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, None, documents, use_reentrant=False)
             else:
-                x = block(x, rope, layer_cache, capture)
+                x = block(x, rope, layer_cache, capture, documents)
         return self.ln_f(x)
 
     def forward(
@@ -149,13 +163,14 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         logits_to_keep: int = 0,
         loss_tokens: float | torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] (only the last `logits_to_keep` positions' if > 0: the LM head skips
         the rest); with `targets` [B, T], the summed cross entropy (-100 ignored) divided by
         `loss_tokens` instead: by default the number of counted targets (the mean). Training
         passes a share of the global batch's count, so that micro-batches and ranks are weighted
-        by their tokens (`train.trainer`)."""
-        h = self.hidden_states(idx, cache)
+        by their tokens (`train.trainer`). `documents`: see `hidden_states`."""
+        h = self.hidden_states(idx, cache, documents=documents)
         if targets is None:
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
         self._check_targets(h, targets)
@@ -166,9 +181,10 @@ class GPT(nn.Module):
         return self.lm_head(h, targets) / (counted.sum() if loss_tokens is None else loss_tokens)
 
     @torch.no_grad()
-    def token_losses(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def token_losses(self, idx: torch.Tensor, targets: torch.Tensor,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token cross entropy [B, T] in float32 (0 where the target is -100); no gradient."""
-        h = self.hidden_states(idx)
+        h = self.hidden_states(idx, documents=documents)
         self._check_targets(h, targets)
         losses = self.lm_head.token_losses(h.reshape(-1, h.shape[-1]), targets.reshape(-1))
         return losses.view(targets.shape).float()

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import io
 import re
+from itertools import islice
 
 import pytest
 import torch
 
 from data.config import DataConfig, SourceConfig, TokenizerConfig
 from data.loader import build_loader
-from data.synthetic import SyntheticCursor, split_block
+from data.sources import open_source, text_of
+from data.synthetic import SyntheticCursor, document_ids, split_block
 from data.tasks import (
     INSTRUCTION,
     KEY_LINE,
@@ -199,3 +201,37 @@ def test_mixture_with_text_resumes_exactly_after_three_resumes(tok, rank, world_
     assert all(torch.equal(g, r) for g, r in zip(got, ref))
     kinds = {("text" if (b >= 0).all() else "synthetic") for batch in ref for b in batch}
     assert kinds == {"text", "synthetic"}
+
+
+def test_document_ids_follow_the_documents_the_stream_packed(tok):
+    """Each document of a text block is a piece of [EOS] + one source document: whole when it lies
+    inside the block, its tail at the block's start, its head at the end; a passkey row is one
+    document (its prompt, from its EOS) and then one per padding EOS."""
+    cfg = DataConfig(sources=[SourceConfig(kind="stdlib", weight=0.7), _source("passkey", "answer", weight=0.3)],
+                     shuffle_buffer=4, tokenizer=TokenizerConfig(vocab_size=1024, sample_docs=60))
+
+    def text(ids) -> str:
+        return "," + ",".join(map(str, ids)) + ","
+
+    docs = [text([tok.eos_id, *tok.encode(text_of(example, cfg.sources[0]))])
+            for example in open_source(cfg.sources[0], "train", cfg, seed=cfg.seed)]
+    loader = build_loader(cfg, tok, split="train", seq_len=SEQ, batch_size=8)
+    whole = synthetic = 0
+    for batch in islice(loader, 6):
+        inputs, _ = split_block(batch)
+        ids = document_ids(inputs, tok.eos_id)
+        assert (ids.diff(dim=-1) >= 0).all()
+        for row, row_ids, raw in zip(inputs, ids, batch):
+            pieces = [text(row[row_ids == d].tolist()) for d in row_ids.unique().tolist()]
+            if (raw < 0).any():  # a passkey row
+                assert pieces[0] == text(_prompt_of(tok, raw[:-1]))
+                assert all(p == text([tok.eos_id]) for p in pieces[1:])
+                synthetic += 1
+                continue
+            assert all(any(piece in doc for doc in docs) for piece in pieces)
+            if len(pieces) > 1:
+                assert any(doc.endswith(pieces[0]) for doc in docs)
+                assert any(doc.startswith(pieces[-1]) for doc in docs)
+            assert all(piece in docs for piece in pieces[1:-1])
+            whole += max(0, len(pieces) - 2)
+    assert whole > 0 and synthetic > 0

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .documents import chunked_document_attention, document_block_mask
+from .documents import document_block_mask, segment_attention
 from .transforms import RopeTables, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie, origin_qk
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
@@ -67,6 +67,10 @@ def causal_attention(q, k, v, alibi: bool = False, documents: torch.Tensor | Non
         return F.scaled_dot_product_attention(q, k, v)
     mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _causal(q, k, v) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def alibi_attention(q, k, v) -> torch.Tensor:
@@ -151,12 +155,12 @@ def _alibi_score_mod(n_head: int, device: str):
 
 
 def _document_attention(q, k, v, documents: torch.Tensor, alibi: bool) -> torch.Tensor:
-    """Document-masked attention: FlexAttention on GPU, chunks of query rows on CPU."""
+    """Document-masked attention: FlexAttention on GPU, each document's causal attention on CPU."""
     if q.shape[-2] != k.shape[-2] or documents.shape != (q.shape[0], q.shape[-2]):
         raise ValueError(f"document masking needs q and k of one length (no KV cache) and documents [B, T]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.shape)}")
     if not q.is_cuda:
-        return chunked_document_attention(q, k, v, documents, alibi)
+        return segment_attention(q, k, v, documents, _chunked_alibi if alibi else _causal)
     mod = _alibi_score_mod(q.shape[1], str(q.device)) if alibi else None
     return _compiled_flex()(q, k, v, score_mod=mod, block_mask=document_block_mask(documents))
 

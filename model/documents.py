@@ -10,10 +10,9 @@ Two kernels, both exact and neither building an N x N tensor:
   booleans, tiles of 128 tokens): a tile pair is skipped when its documents cannot meet, computed
   without a mask where one document covers both tiles, and masked element-wise only on the tiles
   that hold a boundary or the diagonal. ALiBi is its score modification.
-- CPU: SDPA over chunks of query rows, each over the keys from the earliest document start among
-  its rows to its last row, with a boolean (Origin, CoCA) or additive (ALiBi) mask of that chunk.
-  Long rows recompute each chunk in the backward pass (activation checkpointing) so that autograd
-  keeps no per-chunk mask: memory stays linear in the row length.
+- CPU: the model's causal kernel on each document of a row (`segment_attention`): no mask at all,
+  so memory stays that of causal attention and time at most that (documents are shorter than
+  rows). A masked kernel would not do: CPU SDPA keeps a float32 copy of its mask for backward.
 
 Positions restarting at each document (`model.doc_positions`) are `positions`. ALiBi's bias
 -slope * (m - n) depends on the distance only, so it counts from the document start either way.
@@ -21,17 +20,10 @@ Positions restarting at each document (`model.doc_positions`) are `positions`. A
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
-from .transforms import alibi_bias, alibi_slopes
-
-# Query rows per chunk of the CPU path; its mask is [B, rows, keys].
-CHUNK = 256
-# From this row length on, the CPU path recomputes each chunk in the backward pass rather than
-# keeping its mask ([B, rows, keys] booleans, T^2 / 2 bytes a row in all) for it.
-RECOMPUTE_FROM = 2048
 
 
 def starts(documents: torch.Tensor) -> torch.Tensor:
@@ -48,33 +40,45 @@ def positions(documents: torch.Tensor) -> torch.Tensor:
     return torch.arange(documents.shape[-1], device=documents.device) - starts(documents)
 
 
-# ---- CPU: chunks of query rows ---------------------------------------------------------------------
+# ---- CPU: one causal attention per document -------------------------------------------------------
 
 
-def chunked_document_attention(q, k, v, documents: torch.Tensor, alibi: bool = False) -> torch.Tensor:
-    T = q.shape[-2]
-    first = starts(documents).amin(dim=0).tolist()  # per query: the earliest key any row lets it see
-    slopes = alibi_slopes(q.shape[1]).to(q.device)[:, None, None] if alibi else None
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    recompute = grad and T >= RECOMPUTE_FROM
-    out = []
-    for lo in range(0, T, CHUNK):
-        hi = min(T, lo + CHUNK)
-        key = first[lo]
-        args = (q[..., lo:hi, :], k[..., key:hi, :], v[..., key:hi, :], documents[:, lo:hi], documents[:, key:hi],
-                lo, key, slopes)
-        out.append(checkpoint(_rows, *args, use_reentrant=False) if recompute else _rows(*args))
-    return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
+def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> torch.Tensor:
+    """Document-masked attention as plain causal attention `attend(q, k, v)` on each document.
 
-
-def _rows(q, k, v, doc_q, doc_k, first_query: int, first_key: int, slopes) -> torch.Tensor:
-    """Query rows at positions first_query.. over the keys first_key..first_query + rows - 1."""
-    m = torch.arange(first_query, first_query + q.shape[-2], device=q.device)[:, None]
-    n = torch.arange(first_key, first_key + k.shape[-2], device=q.device)[None, :]
-    allowed = (doc_q[:, :, None] == doc_k[:, None, :]) & (n <= m)  # [B, rows, keys]
-    if slopes is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(slopes, m, n, allowed[:, None], q.dtype))
+    Rows that are one document go through `attend` together (the fused kernel, as unmasked);
+    in the others, each document of two or more tokens is its own call, and runs of one-token
+    documents (a synthetic row's padding EOS) are their values (softmax over one key is 1).
+    Nothing is masked, so memory and time are those of causal attention on the pieces.
+    """
+    B, T = documents.shape
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    counts = first.sum(dim=-1).tolist()
+    single = [b for b in range(B) if counts[b] == 1]
+    rows: list[torch.Tensor | None] = [None] * B
+    if single:
+        index = torch.tensor(single, device=q.device)
+        whole = attend(q[index], k[index], v[index]) if len(single) < B else attend(q, k, v)
+        for i, b in enumerate(single):
+            rows[b] = whole[i : i + 1]
+    for b in range(B):
+        if rows[b] is not None:
+            continue
+        bounds = [*first[b].nonzero().flatten().tolist(), T]
+        pieces, singles_from = [], None  # a run of one-token documents: their values, in one slice
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi - lo == 1:
+                singles_from = lo if singles_from is None else singles_from
+                continue
+            if singles_from is not None:
+                pieces.append(v[b : b + 1, :, singles_from:lo])
+                singles_from = None
+            pieces.append(attend(q[b : b + 1, :, lo:hi], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi]))
+        if singles_from is not None:
+            pieces.append(v[b : b + 1, :, singles_from:T])
+        rows[b] = torch.cat(pieces, dim=-2)
+    return torch.cat(rows)
 
 
 # ---- GPU: FlexAttention ----------------------------------------------------------------------------

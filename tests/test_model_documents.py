@@ -13,10 +13,9 @@ import pytest
 import torch
 from test_model_attention import reference_scores
 
-import model.documents as documents_module
 from model import GPT, ModelConfig
-from model.attention import CausalSelfAttention
-from model.documents import chunked_document_attention, document_block_mask, positions, starts
+from model.attention import CausalSelfAttention, causal_attention
+from model.documents import document_block_mask, positions, starts
 from model.transforms import Rope
 
 F64 = torch.float64
@@ -92,20 +91,19 @@ def test_relative_attentions_ignore_the_offset(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("doc_positions", [False, True])
-def test_layer_matches_block_diagonal_reference(kind, doc_positions, monkeypatch):
-    """One layer on two rows with different document layouts, with gradients, against the float64
-    reference at each token's position (absolute, or within its document); chunks of 4 query rows
-    (monkeypatched) so that chunk edges, key trimming and recomputation are all exercised."""
-    monkeypatch.setattr(documents_module, "CHUNK", 4)
-    monkeypatch.setattr(documents_module, "RECOMPUTE_FROM", 8)
+def test_layer_matches_block_diagonal_reference(kind, doc_positions):
+    """One layer on three rows of different document layouts (one document; several; one-token
+    documents in a run and alone, as a synthetic row's padding), with gradients, against the
+    float64 reference at each token's position (absolute, or within its document)."""
     cfg = config(kind, doc_mask=True, doc_positions=doc_positions)
     torch.manual_seed(3)
     layer = CausalSelfAttention(cfg).double()
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.5)
     docs = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 3],
-                         [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5]])
-    b, t, h, d = 2, docs.shape[1], cfg.n_head, cfg.head_dim
+                         [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4],
+                         [0, 1, 1, 1, 2, 3, 4, 4, 4, 4, 5, 6, 7, 8]])
+    b, t, h, d = docs.shape[0], docs.shape[1], cfg.n_head, cfg.head_dim
     x = torch.randn(b, t, cfg.n_embd, dtype=F64, requires_grad=True)
     pos = positions(docs) if doc_positions else torch.arange(t).expand(b, t)
     rope = None
@@ -157,9 +155,9 @@ def test_kv_cache_with_documents_is_refused():
         model.hidden_states(idx, KVCache(2), documents=docs)
 
 
-def test_kernel_keeps_no_mask_for_backward_when_recomputing(monkeypatch):
-    """Long rows recompute each chunk: what autograd keeps grows linearly with the row length."""
-    monkeypatch.setattr(documents_module, "RECOMPUTE_FROM", 0)
+@pytest.mark.parametrize("alibi", [False, True])
+def test_cpu_kernel_keeps_linear_memory_for_backward(alibi):
+    """What autograd keeps for the backward pass grows linearly with the row length (no mask)."""
 
     def saved_bytes(t: int) -> int:
         q, k, v = (torch.randn(1, 2, t, 8, requires_grad=True) for _ in range(3))
@@ -172,7 +170,7 @@ def test_kernel_keeps_no_mask_for_backward_when_recomputing(monkeypatch):
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            chunked_document_attention(q, k, v, docs)
+            causal_attention(q, k, v, alibi, documents=docs)
         return total
 
     assert saved_bytes(2048) <= 2.2 * saved_bytes(1024)
@@ -214,7 +212,7 @@ def test_block_mask_covers_exactly_the_allowed_pairs(lengths):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("alibi", [False, True])
-def test_flex_kernel_matches_chunked_kernel(alibi):
+def test_flex_kernel_matches_cpu_kernel(alibi):
     """The GPU kernel (compiled FlexAttention; forward runs on CPU too, ~30 s compile) agrees with the
     CPU kernel on a packed row with documents across tile edges."""
     from model.attention import _alibi_score_mod, _compiled_flex
@@ -226,5 +224,5 @@ def test_flex_kernel_matches_chunked_kernel(alibi):
     with torch.no_grad():
         mod = _alibi_score_mod(4, "cpu") if alibi else None
         flex = _compiled_flex()(q, k, v, score_mod=mod, block_mask=document_block_mask(docs))
-        chunked = chunked_document_attention(q, k, v, docs, alibi)
-    torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-5)
+        segments = causal_attention(q, k, v, alibi, documents=docs)  # the CPU kernel
+    torch.testing.assert_close(flex, segments, rtol=1e-4, atol=1e-5)

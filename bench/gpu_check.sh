@@ -19,6 +19,7 @@
 #                 step must be 21 and its loss the uninterrupted run's (relative 2e-3 in bf16)
 #   bench_train   python -m bench.train: ours vs HF GPT-NeoX at 125m (vocabulary 50304), 350m MFU
 #   bench_attention  python -m bench.attention at 2K, 8K, 16K tokens
+#   bench_doc_mask   python -m bench.doc_mask: document-masked vs unmasked attention at 2K and 8K
 #   bench_train_compiled  the same as bench_train with our blocks compiled, if time is left
 # tokens/s and MFU are the medians of the trainer's own per-step metrics after step 5; peak memory
 # is the trainer's (torch.cuda.max_memory_allocated).
@@ -57,6 +58,8 @@ if [ "$dry" = 1 ]; then
         batch_size=4 micro_batch_size=2 optim.lr=3e-3 optim.warmup_steps=2)
   bench_train=(--flavors tiny --steps 2)
   bench_attention=(--lengths 128 --repeats 1 --heads 2 --variants origin alibi)
+  bench_doc_mask=(--lengths 128 --repeats 1 --heads 2 --tokens 256 --attentions origin alibi --vocab-size 512
+                --sample-docs 60)
   caps=(env=90 train=180 bench=180)  # generous: only a hang should reach them on a busy CPU
 else
   # The preset's model (350m, 512 tokens, bf16, activation checkpointing) and micro batch of 16,
@@ -66,6 +69,7 @@ else
   size=(batch_size=64 micro_batch_size=16 optim.warmup_steps=5 data.num_workers=4)
   bench_train=(--flavors 125m --steps 10 --vocab-size 50304)
   bench_attention=(--lengths 2048 8192 16384 --repeats 3)
+  bench_doc_mask=(--lengths 2048 8192 --repeats 3)
   caps=(env=90 train=150 bench=150)
 fi
 [ -n "${CAPS:-}" ] && read -ra caps <<< "$CAPS"  # e.g. CAPS="env=600 train=900 bench=900" on a busy CPU
@@ -171,6 +175,7 @@ bench_stage() {
 }
 bench_stage bench_train "$py" -m bench.train "${bench_train[@]}"
 bench_stage bench_attention "$py" -m bench.attention "${bench_attention[@]}"
+bench_stage bench_doc_mask "$py" -m bench.doc_mask "${bench_doc_mask[@]}" --cache-dir "$work/cache"
 if [ "$dry" = 1 ]; then
   wanted bench_train_compiled && report --stage bench_train_compiled --skipped "dry run: compiling on a 2-core CPU takes minutes"
 else

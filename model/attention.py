@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .documents import document_block_mask, segment_attention
+from .documents import Documents, segment_attention
 from .transforms import RopeTables, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie, origin_qk
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
@@ -53,9 +53,9 @@ class AttentionInputs(NamedTuple):
 # ---- kernels -------------------------------------------------------------------------------------
 
 
-def causal_attention(q, k, v, alibi: bool = False, documents: torch.Tensor | None = None) -> torch.Tensor:
+def causal_attention(q, k, v, alibi: bool = False, documents: Documents | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) [+ ALiBi bias]) v, query i at position Tk - Tq + i (KV-cache aware);
-    with `documents` [B, T], only over earlier keys of the query's own document (`model.documents`)."""
+    with `documents`, only over earlier keys of the query's own document (`model.documents`)."""
     if documents is not None:
         return _document_attention(q, k, v, documents, alibi)
     if alibi:
@@ -154,15 +154,15 @@ def _alibi_score_mod(n_head: int, device: str):
     return score_mod
 
 
-def _document_attention(q, k, v, documents: torch.Tensor, alibi: bool) -> torch.Tensor:
+def _document_attention(q, k, v, documents: Documents, alibi: bool) -> torch.Tensor:
     """Document-masked attention: FlexAttention on GPU, each document's causal attention on CPU."""
-    if q.shape[-2] != k.shape[-2] or documents.shape != (q.shape[0], q.shape[-2]):
+    if q.shape[-2] != k.shape[-2] or documents.ids.shape != (q.shape[0], q.shape[-2]):
         raise ValueError(f"document masking needs q and k of one length (no KV cache) and documents [B, T]; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.shape)}")
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.ids.shape)}")
     if not q.is_cuda:
-        return segment_attention(q, k, v, documents, _chunked_alibi if alibi else _causal)
+        return segment_attention(q, k, v, documents.ids, _chunked_alibi if alibi else _causal)
     mod = _alibi_score_mod(q.shape[1], str(q.device)) if alibi else None
-    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=document_block_mask(documents))
+    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=documents.block_mask)
 
 
 def _flex_alibi(q, k, v) -> torch.Tensor:
@@ -214,10 +214,10 @@ class CausalSelfAttention(nn.Module):
         rope: RopeTables | None,
         cache: LayerCache | None = None,
         capture: list[AttentionInputs] | None = None,
-        documents: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens;
-        documents [B, T]: each token's document id, for document masking (None: one document)."""
+        documents: each token's document, for document masking (None: one document)."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
         if self.attention == "coca":

@@ -20,10 +20,23 @@ Positions restarting at each document (`model.doc_positions`) are `positions`. A
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+
+class Documents:
+    """A batch's document ids [B, T], with the GPU kernel's block mask built once per forward (not
+    once per layer)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    @functools.cached_property
+    def block_mask(self):
+        return document_block_mask(self.ids)
 
 
 def starts(documents: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig, RopeScaling
-from .documents import positions as document_positions
+from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
 from .sampling import check_sampling, next_token
 from .transforms import Rope, RopeTables
@@ -126,7 +126,7 @@ class GPT(nn.Module):
         `cfg.doc_mask` is on (None: the row is one document); see `model.documents`."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
-        documents = documents if self.cfg.doc_mask else None
+        documents = Documents(documents) if self.cfg.doc_mask and documents is not None else None
         if documents is not None and cache is not None:
             raise ValueError("document masking is for packed rows; a KV cache continues one document")
         T = idx.shape[1]
@@ -143,7 +143,7 @@ class GPT(nn.Module):
         rope = None
         if self.rope is not None:
             if documents is not None and self.cfg.doc_positions:  # [B, T]: per row, heads broadcast
-                cos, sin = self.rope.tables(document_positions(documents), length, x.dtype)
+                cos, sin = self.rope.tables(positions(documents.ids), length, x.dtype)
                 rope = cos[:, None], sin[:, None]
             else:
                 rope = self.rope.tables(torch.arange(past, length, device=idx.device), length, x.dtype)

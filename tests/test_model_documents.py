@@ -15,7 +15,7 @@ from test_model_attention import reference_scores
 
 from model import GPT, ModelConfig
 from model.attention import CausalSelfAttention, causal_attention
-from model.documents import document_block_mask, positions, starts
+from model.documents import Documents, document_block_mask, positions, starts
 from model.transforms import Rope
 
 F64 = torch.float64
@@ -110,7 +110,7 @@ def test_layer_matches_block_diagonal_reference(kind, doc_positions):
     if cfg.attention != "alibi":
         cos, sin = Rope(cfg.rotary_dims, cfg.rope_base, cfg.max_seq_len, cfg.rope_scaling).tables(pos, t, F64)
         rope = cos[:, None], sin[:, None]
-    out = layer(x, rope, documents=docs)
+    out = layer(x, rope, documents=Documents(docs))
 
     w, bias = layer.qkv.weight.view(h, 3, d, cfg.n_embd), layer.qkv.bias.view(h, 3, d)
     q, k, v = (torch.einsum("btc,hdc->bhtd", x, w[:, i]) + bias[None, :, i, None, :] for i in range(3))
@@ -170,7 +170,7 @@ def test_cpu_kernel_keeps_linear_memory_for_backward(alibi):
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            causal_attention(q, k, v, alibi, documents=docs)
+            causal_attention(q, k, v, alibi, documents=Documents(docs))
         return total
 
     assert saved_bytes(2048) <= 2.2 * saved_bytes(1024)
@@ -224,5 +224,5 @@ def test_flex_kernel_matches_cpu_kernel(alibi):
     with torch.no_grad():
         mod = _alibi_score_mod(4, "cpu") if alibi else None
         flex = _compiled_flex()(q, k, v, score_mod=mod, block_mask=document_block_mask(docs))
-        segments = causal_attention(q, k, v, alibi, documents=docs)  # the CPU kernel
+        segments = causal_attention(q, k, v, alibi, documents=Documents(docs))  # the CPU kernel
     torch.testing.assert_close(flex, segments, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,190 @@
+"""Document masking benchmark: time and peak memory of masked vs unmasked attention, in one run.
+
+    python -m bench.doc_mask                            # N = 512, 2K, 8K; fwd + bwd; every attention
+    python -m bench.doc_mask --lengths 512 --repeats 2 --attentions origin alibi
+
+Each case is one attention layer (`model.attention.CausalSelfAttention`) on random x [B, N, H * D],
+with B = max(1, --tokens / N) so that every length processes the same number of tokens. The masked
+case gets the document ids of real packed rows: the first batch of the default training stream
+(the stdlib corpus, `data.synthetic.document_ids`) at that length, so documents have the corpus's
+lengths. The unmasked case is today's path (fused `is_causal` SDPA; ALiBi's own kernel).
+
+Time is the best of `--repeats` after a warm-up, masked and unmasked timed round-robin in one
+process; memory is the peak growth of one run in a fresh subprocess (`bench.attention`'s method:
+the resident-set peak on CPU, `max_memory_allocated` on GPU). Targets: masked / unmasked at most
+1.3x time and 1.1x memory on CPU, 1.1x time on GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from itertools import islice
+
+import torch
+
+from bench.attention import peak_rss, reset_peak_rss
+from model.attention import CausalSelfAttention
+from model.config import ModelConfig, RopeScaling
+from model.documents import Documents
+from model.transforms import Rope
+
+ATTENTIONS = ("origin", "alibi", "coca-slack", "coca-strict")
+
+
+def packed_documents(n: int, batch: int, args) -> torch.Tensor:
+    """Document ids [batch, n] of the default training stream's first rows at length n."""
+    from data.config import DataConfig, TokenizerConfig
+    from data.loader import build_loader
+    from data.synthetic import document_ids, split_block
+    from data.tokenizer import get_tokenizer
+
+    sizes = {"vocab_size": args.vocab_size, "sample_docs": args.sample_docs}
+    tokenizer = TokenizerConfig(**{key: value for key, value in sizes.items() if value})
+    cfg = DataConfig(tokenizer=tokenizer, **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
+    tokenizer = get_tokenizer(cfg)
+    loader = build_loader(cfg, tokenizer, split="train", seq_len=n, batch_size=batch)
+    inputs, _ = split_block(next(iter(islice(loader, 1))))
+    return document_ids(inputs, tokenizer.eos_id)
+
+
+def make_step(attention: str, masked: bool, n: int, args, documents: torch.Tensor):
+    """One case's inputs and a function running forward and backward once."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    kind, _, form = attention.partition("-")
+    cfg = ModelConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, attention=kind,
+                      coca_form=form or "slack", doc_mask=masked)
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(cfg).to(device, dtype)
+    shape = (documents.shape[0], n, cfg.n_embd)
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(shape, device=device, dtype=dtype)
+    rope = None
+    if kind != "alibi":
+        rope = Rope(args.head_dim, 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
+    docs = Documents(documents.to(device)) if masked else None
+    inputs = [x, *layer.parameters()]
+
+    def step() -> None:
+        torch.autograd.grad(layer(x, rope, documents=docs), inputs, grad_out)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return step
+
+
+def peak_memory(attention: str, masked: bool, n: int, args, documents: torch.Tensor) -> int:
+    """Peak extra bytes of one forward + backward, beyond the inputs and the layer."""
+    if args.device == "cuda":
+        step = make_step(attention, masked, n, args, documents)
+        step()  # warm-up (compiles FlexAttention)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        return torch.cuda.max_memory_allocated() - base
+    make_step(attention, masked, 64, args, documents[:, :64])()  # library start-up buffers
+    step = make_step(attention, masked, n, args, documents)
+    base = reset_peak_rss()
+    step()
+    return peak_rss() - base
+
+
+def batch_at(n: int, args) -> int:
+    return max(1, args.tokens // n)
+
+
+def measure(n: int, args) -> dict[tuple[str, bool], dict]:
+    documents = packed_documents(n, batch_at(n, args), args)
+    cases = [(a, m) for a in args.attentions for m in (False, True)]
+    peaks = {}
+    for attention, masked in cases:
+        if args.device == "cuda":
+            peaks[attention, masked] = peak_memory(attention, masked, n, args, documents)
+            continue
+        cmd = [sys.executable, "-m", "bench.doc_mask", "--worker", attention, str(int(masked)), str(n),
+               *worker_flags(args)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"{attention} masked={masked} at N={n} failed:\n{done.stderr[-2000:]}")
+        peaks[attention, masked] = json.loads(done.stdout.strip().splitlines()[-1])
+    steps = {case: make_step(*case, n, args, documents) for case in cases}
+    for step in steps.values():
+        step()  # warm-up
+    best = dict.fromkeys(cases, math.inf)
+    for _ in range(args.repeats):
+        for case, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[case] = min(best[case], time.perf_counter() - start)
+    docs_per_row = float((documents[:, -1] - documents[:, 0] + 1).float().mean())
+    return {case: dict(time=best[case], peak=peaks[case], docs=docs_per_row) for case in cases}
+
+
+def worker_flags(args) -> list[str]:
+    flags = ["--device", args.device, "--dtype", args.dtype, "--tokens", str(args.tokens)]
+    flags += ["--heads", str(args.heads), "--head-dim", str(args.head_dim)]
+    flags += ["--vocab-size", str(args.vocab_size), "--sample-docs", str(args.sample_docs)]
+    flags += ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    return flags + ["--threads", str(args.threads)] if args.threads else flags
+
+
+def table(results: dict, args) -> str:
+    rows = ["| N | B | documents / row | attention | unmasked (ms) | masked (ms) | time ratio "
+            "| unmasked (MiB) | masked (MiB) | memory ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n in args.lengths:
+        for attention in args.attentions:
+            plain, masked = results[n][attention, False], results[n][attention, True]
+            mem = f"{masked['peak'] / plain['peak']:.2f}" if plain["peak"] > 0 else "-"
+            rows.append(f"| {n} | {batch_at(n, args)} | {plain['docs']:.1f} | {attention} "
+                        f"| {plain['time'] * 1e3:.1f} | {masked['time'] * 1e3:.1f} "
+                        f"| {masked['time'] / plain['time']:.2f} "
+                        f"| {plain['peak'] / 2**20:.0f} | {masked['peak'] / 2**20:.0f} | {mem} |")
+    return "\n".join(rows)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per case: batch = tokens / N")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    p.add_argument("--vocab-size", type=int, default=0, help="the stream's tokenizer size (0: the default)")
+    p.add_argument("--sample-docs", type=int, default=0, help="documents it is trained on (0: the default)")
+    p.add_argument("--cache-dir", default="", help="data.cache_dir of the stream (default: the default)")
+    p.add_argument("--worker", nargs=3, metavar=("ATTENTION", "MASKED", "N"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.repeats < 1 or min(args.lengths) < 1 or args.tokens < 1:
+        p.error("--repeats, --lengths and --tokens must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        attention, masked, n = args.worker[0], bool(int(args.worker[1])), int(args.worker[2])
+        print(json.dumps(peak_memory(attention, masked, n, args, packed_documents(n, batch_at(n, args), args))))
+        return
+    name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"# document masking, fwd + bwd: {args.tokens} tokens a case, H={args.heads} D={args.head_dim} "
+          f"{args.dtype} on {name}")
+    results = {}
+    for n in args.lengths:
+        results[n] = measure(n, args)
+        print(f"  N={n} done", file=sys.stderr, flush=True)
+    print(table(results, args))
+
+
+if __name__ == "__main__":
+    main()

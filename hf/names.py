@@ -1,5 +1,6 @@
-"""The one parameter-name map between our model and Hugging Face's GPT-NeoX layout, which the
-exported remote-code model (`hf/modeling_coca_lm.py`) uses too."""
+"""The parameter-name maps between our model and Hugging Face's layouts: GPT-NeoX's (arch=neox),
+which the exported remote-code model (`hf/modeling_coca_lm.py`) uses too, and Llama's (arch=llama,
+`LlamaForCausalLM`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,32 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
         for ours, theirs in _LAYER.items():
             for p in ("weight", "bias"):
                 names[f"h.{i}.{ours}.{p}"] = f"gpt_neox.layers.{i}.{theirs}.{p}"
+    return names
+
+
+_LLAMA_LAYER = {  # ours (inside block i) -> theirs (inside model.layers.i); weights only, no biases
+    "ln_1": "input_layernorm",
+    "ln_2": "post_attention_layernorm",
+    "attn.q": "self_attn.q_proj",
+    "attn.k": "self_attn.k_proj",
+    "attn.v": "self_attn.v_proj",
+    "attn.proj": "self_attn.o_proj",
+    "mlp.gate": "mlp.gate_proj",
+    "mlp.up": "mlp.up_proj",
+    "mlp.down": "mlp.down_proj",
+}
+
+
+def llama_hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """Our state-dict name -> LlamaForCausalLM's, for every parameter of an arch=llama model of
+    `cfg` (the LM head only when untied). Both use the rotate-half RoPE layout, so q and k map as
+    they are (no permutation)."""
+    names = {"wte.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.weight"
+    for i in range(cfg.n_layer):
+        for ours, theirs in _LLAMA_LAYER.items():
+            names[f"h.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
     return names
 
 

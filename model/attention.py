@@ -6,7 +6,10 @@
     alibi        q_eff = q                       k_eff = k, plus bias -slope_h * (m - n)
 
 Scores are q_eff . k_eff / sqrt(head_dim) under the causal mask (with document masking, also only
-within the query's document: `model.documents`). Origin and both CoCA forms run on
+within the query's document: `model.documents`). With grouped-query attention (arch=llama,
+n_kv_head < n_head) k (CoCA's t) and v have n_kv_head heads, each shared by n_head / n_kv_head
+consecutive query heads (Llama's layout: query head h uses kv head h // group); every kernel takes
+them so (`enable_gqa`), and the KV cache stores only those heads. Origin and both CoCA forms run on
 `scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels: no N x N score
 matrix). ALiBi runs on FlexAttention with a score modification where it can (see `alibi_attention`).
 
@@ -46,11 +49,16 @@ class AttentionInputs(NamedTuple):
     """A layer's attention inputs: scores = q_eff @ k_eff.T / sqrt(D) - slope * (m - n), n <= m."""
 
     q_eff: torch.Tensor  # [B, H, T, D]
-    k_eff: torch.Tensor  # [B, H, T, D]
+    k_eff: torch.Tensor  # [B, H, T, D] (under GQA each kv head repeated for the query heads it serves)
     alibi_slopes: torch.Tensor | None  # [H]
 
 
 # ---- kernels -------------------------------------------------------------------------------------
+
+
+def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether k/v have fewer heads than q (grouped-query attention): the kernels' `enable_gqa`."""
+    return k.shape[1] != q.shape[1]
 
 
 def causal_attention(q, k, v, alibi: bool = False, documents: Documents | None = None) -> torch.Tensor:
@@ -61,16 +69,17 @@ def causal_attention(q, k, v, alibi: bool = False, documents: Documents | None =
     if alibi:
         return alibi_attention(q, k, v)
     tq, tk = q.shape[-2], k.shape[-2]
+    tq, tk, gqa = q.shape[-2], k.shape[-2], _gqa(q, k)
     if tq == tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if tq == 1:  # one new token sees the whole cache
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def _causal(q, k, v) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=_gqa(q, k))
 
 
 def alibi_attention(q, k, v) -> torch.Tensor:
@@ -110,7 +119,8 @@ def _alibi_rows(q, k, v, slopes: torch.Tensor, first: int) -> torch.Tensor:
     """Attention of query rows at positions first.. over keys 0..first+rows-1 (later keys are masked)."""
     m = torch.arange(first, first + q.shape[-2], device=q.device)[:, None]
     n = torch.arange(k.shape[-2], device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(slopes, m, n, n <= m, q.dtype))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(slopes, m, n, n <= m, q.dtype),
+                                          enable_gqa=_gqa(q, k))
 
 
 @functools.cache
@@ -162,21 +172,22 @@ def _document_attention(q, k, v, documents: Documents, alibi: bool) -> torch.Ten
     if not q.is_cuda:
         return segment_attention(q, k, v, documents.ids, _chunked_alibi if alibi else _causal)
     mod = _alibi_score_mod(q.shape[1], str(q.device)) if alibi else None
-    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=documents.block_mask)
+    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=documents.block_mask, enable_gqa=_gqa(q, k))
 
 
 def _flex_alibi(q, k, v) -> torch.Tensor:
     device = str(q.device)
     flex = _compiled_flex()
     mod = _alibi_score_mod(q.shape[1], device)
-    return flex(q, k, v, score_mod=mod, block_mask=_causal_block_mask(q.shape[-2], device))
+    return flex(q, k, v, score_mod=mod, block_mask=_causal_block_mask(q.shape[-2], device), enable_gqa=_gqa(q, k))
 
 
 # ---- module --------------------------------------------------------------------------------------
 
 
 class LayerCache:
-    """One layer's KV cache: k_eff (Origin: rope(k); CoCA: rope(t), or Strict's k_eff) and v."""
+    """One layer's KV cache: k_eff (Origin: rope(k); CoCA: rope(t), or Strict's k_eff) and v, each
+    with the layer's n_kv_head heads."""
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
@@ -194,19 +205,36 @@ class LayerCache:
 
 
 class CausalSelfAttention(nn.Module):
+    """The attention layer of both architectures: their projections, then the shared q/k transform
+    and kernel. neox: one fused, biased projection laid out per head as in GPT-NeoX ([H, 3, D] rows
+    of `qkv`); llama: separate `q`, `k`, `v` without biases, k (CoCA's t) and v of n_kv_head heads."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
         self.attention, self.rotary_dims = cfg.attention, cfg.rotary_dims
-        # Fused (q, k-or-t, v) projection, laid out per head as in GPT-NeoX: [H, 3, D] rows.
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.fused = cfg.arch == "neox"
+        if self.fused:
+            self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        else:
+            kv = cfg.kv_heads * cfg.head_dim
+            self.q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+            self.k = nn.Linear(cfg.n_embd, kv, bias=False)
+            self.v = nn.Linear(cfg.n_embd, kv, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
         if cfg.attention == "origin":
             self.qk = origin_qk
         elif cfg.attention == "coca":
             self.qk = coca_slack_qk if cfg.coca_form == "slack" else coca_strict_qk
         else:
             self.qk = None  # alibi: q and k are used as they are
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, T, D]; k (or CoCA's t) and v [B, n_kv_head, T, D]."""
+        B, T, _ = x.shape
+        if self.fused:
+            return self.qkv(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        return tuple(proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
 
     def forward(
         self,
@@ -219,7 +247,7 @@ class CausalSelfAttention(nn.Module):
         """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens;
         documents: each token's document, for document masking (None: one document)."""
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        q, k, v = self.heads(x)
         if self.attention == "coca":
             k = coca_tie(k, self.rotary_dims)
         if self.qk is not None:
@@ -228,6 +256,7 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.append(k, v)
         alibi = self.attention == "alibi"
         if capture is not None:
-            capture.append(AttentionInputs(q, k, _slopes(self.n_head, str(x.device)) if alibi else None))
+            k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
+            capture.append(AttentionInputs(q, k_eff, _slopes(self.n_head, str(x.device)) if alibi else None))
         y = causal_attention(q, k, v, alibi, documents)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

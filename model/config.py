@@ -7,8 +7,9 @@ overrides; allowed values are checked in `__post_init__` with messages naming th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
+ARCHS = ("neox", "llama")
 ATTENTIONS = ("origin", "alibi", "coca")
 COCA_FORMS = ("slack", "strict")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn")
@@ -69,18 +70,26 @@ def parse_scaling(spec: str) -> RopeScaling:
 
 @dataclass
 class ModelConfig:
-    """A GPT-NeoX-style decoder (parallel residual, rotate-half RoPE, untied embeddings, GELU).
+    """A decoder of one of two architectures (`model.gpt`), both with rotate-half RoPE:
 
+    arch: neox (GPT-NeoX: LayerNorm with bias, GELU MLP, biased fused qkv, parallel residual by
+          default) | llama (RMSNorm, SwiGLU MLP, separate q/k/v without biases, grouped-query
+          attention, sequential residual and full rotary, which it requires).
+    n_kv_head: key/value heads (llama only), dividing n_head; null: n_head (multi-head attention),
+          1: multi-query attention. Query head h uses kv head h // (n_head / n_kv_head).
     attention: origin (RoPE) | alibi | coca; coca_form: slack (released code) | strict (Eq. 9).
     max_seq_len: the training length L0 (dynamic NTK and YaRN scale relative to it).
     rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
     doc_mask: within a packed row, a token attends only to earlier tokens of its own document.
     doc_positions: with doc_mask, positions restart at 0 at each document's first token.
+    layernorm_eps: the eps of every norm (LayerNorm for neox, RMSNorm for llama).
     """
 
+    arch: str = "neox"
     vocab_size: int = 4096
     n_layer: int = 4
     n_head: int = 4
+    n_kv_head: Optional[int] = None
     n_embd: int = 256
     ffn_hidden: int = 1024
     max_seq_len: int = 128
@@ -102,12 +111,14 @@ class ModelConfig:
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len"):
             _positive(f"model.{name}", getattr(self, name))
+        _one_of("model.arch", self.arch, ARCHS)
         _one_of("model.attention", self.attention, ATTENTIONS)
         _one_of("model.coca_form", self.coca_form, COCA_FORMS)
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}"
             )
+        self._check_arch()
         if self.head_dim % 2:
             raise ValueError(
                 f"head dimension model.n_embd/model.n_head={self.head_dim} must be even "
@@ -139,6 +150,28 @@ class ModelConfig:
         if self.init_std <= 0 or self.layernorm_eps <= 0:
             raise ValueError("model.init_std and model.layernorm_eps must be > 0")
 
+    def _check_arch(self) -> None:
+        """What each architecture fixes: GQA only in llama's separate k/v; llama's own block form."""
+        if self.n_kv_head is not None:
+            _positive("model.n_kv_head", self.n_kv_head)
+            if self.n_head % self.n_kv_head:
+                raise ValueError(f"model.n_kv_head={self.n_kv_head} must divide model.n_head={self.n_head}")
+            if self.arch == "neox" and self.n_kv_head != self.n_head:
+                raise ValueError(
+                    f"model.n_kv_head={self.n_kv_head} needs model.arch=llama: GPT-NeoX's fused qkv has one "
+                    f"key/value head per query head (n_kv_head={self.n_head} or null)"
+                )
+        if self.arch == "llama" and self.parallel_residual:
+            raise ValueError("model.arch='llama' is a sequential-residual block: set model.parallel_residual=false")
+        if self.arch == "llama" and self.rotary_pct != 1.0:
+            raise ValueError(f"model.arch='llama' rotates every head dimension: set model.rotary_pct=1.0 "
+                             f"(got {self.rotary_pct})")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head where it is null."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
@@ -150,12 +183,23 @@ class ModelConfig:
 
 
 # Named presets. `350m` is the paper's released GPT-NeoX configuration (about 302M non-embedding
-# parameters); `125m` and `1.3b` follow the Pythia shapes of the same family.
+# parameters); `125m` and `1.3b` follow the Pythia shapes of the same family. The llama flavors
+# are arch=llama: a CPU-sized one, and the shapes of TinyLlama-1.1B and Llama-3.2-1B (their HF
+# configs' sizes; training sets vocab_size from the tokenizer, conf/config.yaml).
+_LLAMA = dict(arch="llama", parallel_residual=False, rotary_pct=1.0)
 FLAVORS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=256, ffn_hidden=1024, max_seq_len=128),
     "125m": dict(n_layer=12, n_head=12, n_embd=768, ffn_hidden=3072, max_seq_len=512),
     "350m": dict(n_layer=24, n_head=16, n_embd=1024, ffn_hidden=4096, max_seq_len=512),
     "1.3b": dict(n_layer=24, n_head=16, n_embd=2048, ffn_hidden=8192, max_seq_len=512),
+    "llama_tiny": dict(**_LLAMA, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, ffn_hidden=688, max_seq_len=128),
+    "tinyllama_1.1b": dict(**_LLAMA, n_layer=22, n_head=32, n_kv_head=4, n_embd=2048, ffn_hidden=5632,
+                           vocab_size=32000, rope_base=10000.0, max_seq_len=2048, tie_embeddings=False),
+    # Llama-3.2-1B's HF config says max_position_embeddings=131072, reached by its 'llama3' RoPE
+    # scaling (not implemented here) on a model pretrained at 8192 tokens: 8192 is its training
+    # length, the L0 that dynamic NTK and YaRN scale from.
+    "llama3.2_1b": dict(**_LLAMA, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn_hidden=8192,
+                        vocab_size=128256, rope_base=500000.0, max_seq_len=8192, tie_embeddings=True),
 }
 
 
@@ -172,11 +216,17 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     `embedding` is the token embedding plus the LM head when untied; the rest is `non_embedding`.
     """
     c, f = cfg.n_embd, cfg.ffn_hidden
-    layernorm = 2 * c
-    attention = (c * 3 * c + 3 * c) + (c * c + c)
-    mlp = (c * f + f) + (f * c + c)
-    per_layer = 2 * layernorm + attention + mlp
-    non_embedding = cfg.n_layer * per_layer + layernorm  # + final LayerNorm
+    if cfg.arch == "neox":
+        norm = 2 * c  # LayerNorm weight and bias
+        attention = (c * 3 * c + 3 * c) + (c * c + c)
+        mlp = (c * f + f) + (f * c + c)
+    else:  # llama: no biases; k and v have n_kv_head heads; SwiGLU's three matrices
+        kv = cfg.kv_heads * cfg.head_dim
+        norm = c  # RMSNorm weight
+        attention = c * c + 2 * c * kv + c * c
+        mlp = 3 * c * f
+    per_layer = 2 * norm + attention + mlp
+    non_embedding = cfg.n_layer * per_layer + norm  # + final norm
     embedding = cfg.vocab_size * c * (1 if cfg.tie_embeddings else 2)
     return dict(embedding=embedding, non_embedding=non_embedding, total=embedding + non_embedding)
 

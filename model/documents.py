@@ -62,9 +62,12 @@ def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> tor
     Rows that are one document go through `attend` together (the fused kernel, as unmasked);
     in the others, each document of two or more tokens is its own call, and runs of one-token
     documents (a synthetic row's padding EOS) are their values (softmax over one key is 1).
-    Nothing is masked, so memory and time are those of causal attention on the pieces.
+    Nothing is masked, so memory and time are those of causal attention on the pieces. Under GQA
+    (v with fewer heads than q) a one-token document's output is its kv head's value in each
+    query head of the group.
     """
     B, T = documents.shape
+    group = q.shape[1] // v.shape[1]
     first = torch.ones_like(documents, dtype=torch.bool)
     first[:, 1:] = documents[:, 1:] != documents[:, :-1]
     counts = first.sum(dim=-1).tolist()
@@ -85,13 +88,18 @@ def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> tor
                 singles_from = lo if singles_from is None else singles_from
                 continue
             if singles_from is not None:
-                pieces.append(v[b : b + 1, :, singles_from:lo])
+                pieces.append(_per_query_head(v[b : b + 1, :, singles_from:lo], group))
                 singles_from = None
             pieces.append(attend(q[b : b + 1, :, lo:hi], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi]))
         if singles_from is not None:
-            pieces.append(v[b : b + 1, :, singles_from:T])
+            pieces.append(_per_query_head(v[b : b + 1, :, singles_from:T], group))
         rows[b] = torch.cat(pieces, dim=-2)
     return torch.cat(rows)
+
+
+def _per_query_head(v: torch.Tensor, group: int) -> torch.Tensor:
+    """v [B, n_kv_head, T, D] as [B, n_head, T, D]: kv head j serves query heads j*group..(j+1)*group-1."""
+    return v.repeat_interleave(group, dim=1) if group > 1 else v
 
 
 # ---- GPU: FlexAttention ----------------------------------------------------------------------------

@@ -1,9 +1,13 @@
-"""A GPT-NeoX-style decoder: the model the framework trains and evaluates.
+"""The decoder the framework trains and evaluates, in two architectures (`model.arch`):
 
-    x -> wte -> [Block] x n_layer -> ln_f -> lm_head          (untied embeddings by default)
+    x -> wte -> [Block] x n_layer -> norm -> lm_head          (untied embeddings by default)
 
-    Block, parallel residual (GPT-NeoX):     Block, sequential:
+    Block, parallel residual (GPT-NeoX):     Block, sequential (Llama; NeoX optionally):
         x + attn(ln_1(x)) + mlp(ln_2(x))         x = x + attn(ln_1(x)); x + mlp(ln_2(x))
+
+    arch    norm                mlp                                  attention projections
+    neox    LayerNorm (+ bias)  MLP: proj(gelu(fc(x)))               fused per-head qkv, biases
+    llama   RMSNorm (weight)    SwiGLU: down(silu(gate(x)) * up(x))  q, k, v (n_kv_head heads), no bias
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from .sampling import check_sampling, next_token
 from .transforms import Rope, RopeTables
 
 
+def norm(cfg: ModelConfig) -> nn.Module:
+    """The architecture's norm: LayerNorm with bias (neox) or RMSNorm, weight only (llama)."""
+    if cfg.arch == "llama":
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.layernorm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
+
+
 class MLP(nn.Module):
+    """GPT-NeoX's MLP."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, cfg.ffn_hidden)
@@ -32,6 +45,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))  # exact (erf) GELU, as GPT-NeoX's "gelu"
+
+
+class SwiGLU(nn.Module):
+    """Llama's gated MLP (Shazeer 2020), no biases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.up = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class LMHead(nn.Linear):
@@ -51,10 +77,10 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.parallel = cfg.parallel_residual
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
-        self.mlp = MLP(cfg)
+        self.ln_2 = norm(cfg)
+        self.mlp = SwiGLU(cfg) if cfg.arch == "llama" else MLP(cfg)
 
     def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None, documents=None):
         if self.parallel:
@@ -94,7 +120,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layernorm_eps)
+        self.ln_f = norm(cfg)
         self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight

@@ -134,16 +134,26 @@ def test_alibi_slopes(heads, expected):
     torch.testing.assert_close(alibi_slopes(heads), torch.tensor(expected, dtype=F64), rtol=0, atol=1e-15)
 
 
+def per_query_head(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """kv heads [B, Hkv, T, D] as [B, n_head, T, D] by Llama's rule: query head h reads kv head h // group."""
+    group = n_head // x.shape[1]
+    return x[:, [h // group for h in range(n_head)]]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("tq, tk", [(ALIBI_CHUNK + 37, ALIBI_CHUNK + 37), (5, 40), (1, 33)])
-def test_alibi_kernel_matches_explicit_bias(tq, tk):
-    """The chunked additive-bias path (CPU training, short inputs, KV-cache steps), gradients too."""
+def test_alibi_kernel_matches_explicit_bias(tq, tk, kv_heads):
+    """The chunked additive-bias path (CPU training, short inputs, KV-cache steps), gradients too;
+    with fewer kv heads than query heads (GQA, MQA) too."""
     b, h, d = 1, 4, 8
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(b, h, t, d, dtype=F64, generator=g, requires_grad=True) for t in (tq, tk, tk))
+    q, k, v = (torch.randn(b, heads, t, d, dtype=F64, generator=g, requires_grad=True)
+               for heads, t in ((h, tq), (kv_heads, tk), (kv_heads, tk)))
     out = causal_attention(q, k, v, alibi=True)
     positions = torch.arange(tk)
     full_q = torch.cat((torch.zeros(b, h, tk - tq, d, dtype=F64), q), dim=2)
-    expected = reference_attention(reference_scores("alibi", full_q, k, positions, 0), v)[:, :, tk - tq :]
+    scores = reference_scores("alibi", full_q, per_query_head(k, h), positions, 0)
+    expected = reference_attention(scores, per_query_head(v, h))[:, :, tk - tq :]
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     weights = torch.randn(out.shape, dtype=F64, generator=g)
     got = torch.autograd.grad((out * weights).sum(), (q, k, v))
@@ -180,12 +190,14 @@ def test_attention_layer_matches_reference(kind, rotary_pct):
 
 
 @pytest.mark.slow
-def test_cpu_flex_alibi_matches_chunked_path(monkeypatch):
-    """Long no-grad ALiBi on CPU uses compiled FlexAttention (~30 s compile): same result as chunks."""
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_cpu_flex_alibi_matches_chunked_path(monkeypatch, kv_heads):
+    """Long no-grad ALiBi on CPU uses compiled FlexAttention (~30 s compile): same result as chunks
+    (with GQA too)."""
     import model.attention as attention
 
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, 4, attention.CPU_FLEX_MIN_LEN, 16, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, heads, attention.CPU_FLEX_MIN_LEN, 16, generator=g) for heads in (4, kv_heads, kv_heads))
     chunked_alibi = attention._chunked_alibi
     with torch.no_grad():
         chunked = chunked_alibi(q, k, v)

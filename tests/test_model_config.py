@@ -13,14 +13,18 @@ def test_350m_is_the_papers_shape():
     assert abs(count_parameters(cfg)["non_embedding"] - 302e6) < 1e6
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True}, {"parallel_residual": False}])
-def test_count_parameters_matches_the_module(overrides):
-    cfg = flavor("tiny", n_layer=2, **overrides)
+@pytest.mark.parametrize("name, overrides", [
+    ("tiny", {}), ("tiny", {"tie_embeddings": True}), ("tiny", {"parallel_residual": False}),
+    ("llama_tiny", {}), ("llama_tiny", {"tie_embeddings": True}), ("llama_tiny", {"n_kv_head": 1}),
+    ("llama_tiny", {"n_kv_head": 4}),
+])
+def test_count_parameters_matches_the_module(name, overrides):
+    cfg = flavor(name, n_layer=2, **overrides)
     counts = count_parameters(cfg)
     model = GPT(cfg)
     assert counts["total"] == sum(p.numel() for p in model.parameters())
     assert counts["embedding"] == model.wte.weight.numel() * (1 if cfg.tie_embeddings else 2)
-    assert 1e6 < count_parameters(flavor("tiny"))["total"] < 10e6
+    assert 1e6 < count_parameters(flavor(name))["total"] < 10e6
 
 
 @pytest.mark.parametrize(
@@ -34,6 +38,12 @@ def test_count_parameters_matches_the_module(overrides):
         (dict(rotary_pct=1.5), ["model.rotary_pct", "(0, 1]"]),
         (dict(rope_scaling=RopeScaling("ntk", 2.0), attention="alibi"), ["model.rope_scaling.type", "none"]),
         (dict(n_layer=0), ["model.n_layer", "positive"]),
+        (dict(arch="gpt2"), ["model.arch='gpt2'", "neox, llama"]),
+        (dict(n_kv_head=2), ["model.n_kv_head=2", "model.arch=llama"]),
+        (dict(arch="llama", parallel_residual=False, n_kv_head=3), ["model.n_kv_head=3", "divide", "model.n_head=4"]),
+        (dict(arch="llama", parallel_residual=False, n_kv_head=0), ["model.n_kv_head", "positive"]),
+        (dict(arch="llama"), ["model.arch='llama'", "model.parallel_residual=false"]),
+        (dict(arch="llama", parallel_residual=False, rotary_pct=0.5), ["model.arch='llama'", "model.rotary_pct=1.0"]),
     ],
 )
 def test_bad_config_names_the_field(overrides, words):

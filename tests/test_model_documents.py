@@ -211,18 +211,21 @@ def test_block_mask_covers_exactly_the_allowed_pairs(lengths):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("alibi", [False, True])
-def test_flex_kernel_matches_cpu_kernel(alibi):
+def test_flex_kernel_matches_cpu_kernel(alibi, kv_heads):
     """The GPU kernel (compiled FlexAttention; forward runs on CPU too, ~30 s compile) agrees with the
-    CPU kernel on a packed row with documents across tile edges."""
+    CPU kernel on a packed row with documents across tile edges, with GQA too (the one-token
+    documents' outputs are their kv head's values)."""
     from model.attention import _alibi_score_mod, _compiled_flex
 
     g = torch.Generator().manual_seed(6)
     lengths = [300, 1, 1, 97, 400, 225]
     docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(2, -1).contiguous()
-    q, k, v = (torch.randn(2, 4, docs.shape[1], 16, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(2, heads, docs.shape[1], 16, generator=g) for heads in (4, kv_heads, kv_heads))
     with torch.no_grad():
         mod = _alibi_score_mod(4, "cpu") if alibi else None
-        flex = _compiled_flex()(q, k, v, score_mod=mod, block_mask=document_block_mask(docs))
+        flex = _compiled_flex()(q, k, v, score_mod=mod, block_mask=document_block_mask(docs),
+                                enable_gqa=kv_heads != 4)
         segments = causal_attention(q, k, v, alibi, documents=Documents(docs))  # the CPU kernel
     torch.testing.assert_close(flex, segments, rtol=1e-4, atol=1e-5)

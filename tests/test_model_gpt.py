@@ -12,13 +12,15 @@ from model.transforms import Rope
 
 VARIANTS = [("origin", "slack"), ("alibi", "slack"), ("coca", "slack"), ("coca", "strict")]
 IDS = ["origin", "alibi", "coca-slack", "coca-strict"]
+# arch=llama as `small` builds it: 2 query heads sharing 1 kv head (MQA, a group of 2).
+ARCHS = {"neox": {}, "llama": dict(arch="llama", n_kv_head=1, parallel_residual=False)}
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def small(attention="origin", coca_form="slack", **overrides) -> GPT:
-    cfg = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, ffn_hidden=32, max_seq_len=8)
+def small(attention="origin", coca_form="slack", arch="neox", **overrides) -> GPT:
+    cfg = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, ffn_hidden=32, max_seq_len=8, **ARCHS[arch])
     torch.manual_seed(0)
     model = GPT(ModelConfig(**{**cfg, **overrides}, attention=attention, coca_form=coca_form)).double()
     for p in model.parameters():  # larger weights than init_std so that attention is far from uniform
@@ -30,9 +32,10 @@ def tokens(b: int, t: int, seed: int = 0, vocab: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
-def test_causality(attention, form):
-    model = small(attention, form)
+def test_causality(attention, form, arch):
+    model = small(attention, form, arch)
     idx = tokens(2, 20)
     changed = idx.clone()
     changed[:, 12] = (changed[:, 12] + 1) % 64
@@ -46,9 +49,10 @@ def test_causality(attention, form):
     "attention, form, scaling",
     [(a, f, s) for a, f in VARIANTS for s in ("none", "dynamic") if a != "alibi" or s == "none"],
 )
-def test_kv_cache_matches_full_forward(attention, form, scaling):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kv_cache_matches_full_forward(attention, form, scaling, arch):
     """Prompt of 3, a chunk of 4 (queries offset into the cache), then single tokens past 3x L0."""
-    model = small(attention, form, rope_scaling=RopeScaling(scaling, 4.0))
+    model = small(attention, form, arch, rope_scaling=RopeScaling(scaling, 4.0))
     idx = tokens(2, 26, seed=1)
     cache = KVCache(model.cfg.n_layer)
     steps = [(0, 3), (3, 7)] + [(t, t + 1) for t in range(7, 26)]
@@ -58,6 +62,7 @@ def test_kv_cache_matches_full_forward(attention, form, scaling):
             want = model(idx[:, :end])[:, start:end]
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     assert cache.length == 26
+    assert cache.layers[0].keys.shape[1] == model.cfg.kv_heads  # the cache holds the kv heads only
 
 
 def test_dynamic_ntk_changes_only_beyond_training_length():
@@ -70,10 +75,11 @@ def test_dynamic_ntk_changes_only_beyond_training_length():
         torch.testing.assert_close(dynamic(idx[:, :8]), plain(idx[:, :8]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
-def test_loss_and_token_losses_match_full_logits(attention, form, monkeypatch):
+def test_loss_and_token_losses_match_full_logits(attention, form, arch, monkeypatch):
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 64 * 7)  # 7 tokens per chunk: 3 chunks
-    model = small(attention, form).train()
+    model = small(attention, form, arch).train()
     idx, targets = tokens(2, 10, seed=2), tokens(2, 10, seed=3)
     targets[0, 3] = targets[1, 0] = -100
     loss = model(idx, targets)
@@ -102,21 +108,24 @@ def test_logits_to_keep_is_the_tail_of_the_full_logits():
         assert model(idx, logits_to_keep=5).shape == (2, 5, 64)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention", ["origin", "alibi", "coca"])
-def test_activation_checkpointing_gives_the_same_gradients(attention):
+def test_activation_checkpointing_gives_the_same_gradients(attention, arch):
     idx, targets = tokens(2, 9, seed=4), tokens(2, 9, seed=5)
     grads = []
     for remat in (False, True):
-        model = small(attention, activation_checkpointing=remat).train()
+        model = small(attention, arch=arch, activation_checkpointing=remat).train()
         grads.append(torch.autograd.grad(model(idx, targets), list(model.parameters())))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
-def test_capture_qk_gives_the_layer_scores(attention, form):
-    """Scores from capture_qk by the documented formula reproduce the layer's attention output."""
-    model = small(attention, form)
+def test_capture_qk_gives_the_layer_scores(attention, form, arch):
+    """Scores from capture_qk by the documented formula reproduce the layer's attention output
+    (under GQA k_eff has a head per query head: each its kv head's)."""
+    model = small(attention, form, arch)
     seen = {}
     model.h[1].attn.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], out=out))
     idx = tokens(1, 12, seed=6)
@@ -130,14 +139,18 @@ def test_capture_qk_gives_the_layer_scores(attention, form):
         scores = scores - slopes.double()[:, None, None] * (m[:, None] - m[None, :])
     scores = scores.masked_fill(m[:, None] < m[None, :], float("-inf"))
     attn = model.h[1].attn
-    v = attn.qkv(seen["x"]).view(1, 12, 2, 3, 8)[:, :, :, 2].transpose(1, 2)
+    if arch == "neox":
+        v = attn.qkv(seen["x"]).view(1, 12, 2, 3, 8)[:, :, :, 2].transpose(1, 2)
+    else:  # one kv head serves both query heads
+        v = attn.v(seen["x"]).view(1, 12, 1, 8).transpose(1, 2).expand(1, 2, 12, 8)
     y = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(1, 12, 16)
     torch.testing.assert_close(attn.proj(y), seen["out"], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
-def test_greedy_generate_follows_full_forward_argmax(attention, form):
-    model = small(attention, form, rope_scaling=RopeScaling("dynamic" if attention != "alibi" else "none", 2.0))
+def test_greedy_generate_follows_full_forward_argmax(attention, form, arch):
+    model = small(attention, form, arch, rope_scaling=RopeScaling("dynamic" if attention != "alibi" else "none", 2.0))
     idx = tokens(2, 5, seed=7)
     out = model.generate(idx, max_new_tokens=10, greedy=True)
     want = idx
@@ -225,8 +238,9 @@ def test_static_ntk_and_linear_positions():
     torch.testing.assert_close(lin, plain)
 
 
-def test_set_rope_scaling_changes_long_logits_only():
-    model = small()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_set_rope_scaling_changes_long_logits_only(arch):
+    model = small(arch=arch)
     idx = tokens(1, 24)
     with torch.no_grad():
         before = model(idx)

@@ -26,9 +26,9 @@ def status_bytes(field):
     with open("/proc/self/status") as f:
         return int(next(l for l in f if l.startswith(field + ":")).split()[1]) * 1024
 
-attention, form, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+attention, form, n, name = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
-model = GPT(flavor("tiny", attention=attention, coca_form=form)).eval()
+model = GPT(flavor(name, attention=attention, coca_form=form)).eval()
 idx = torch.randint(0, model.cfg.vocab_size, (1, n + 1))
 with torch.no_grad():
     for warm in (256, 1024, 2048):  # ALiBi: compiles FlexAttention (static, then dynamic shapes) here
@@ -42,24 +42,25 @@ print(json.dumps(dict(peak_bytes=status_bytes("VmHWM") - before, heads=model.cfg
 """
 
 
-def peak_forward_memory(attention: str, form: str) -> dict:
+def peak_forward_memory(attention: str, form: str, name: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, attention, form, str(N)],
+        [sys.executable, "-c", SCRIPT, attention, form, str(N), name],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(
-    "attention, form",
+    "attention, form, name",
     [
-        ("coca", "slack"),  # Origin and Strict run the same SDPA kernel (see bench/attention.py)
-        pytest.param("alibi", "slack", marks=pytest.mark.slow),  # compiled FlexAttention on CPU
+        ("coca", "slack", "tiny"),  # Origin and Strict run the same SDPA kernel (see bench/attention.py)
+        ("coca", "slack", "llama_tiny"),  # grouped-query attention: SDPA's enable_gqa, no N x N fallback
+        pytest.param("alibi", "slack", "tiny", marks=pytest.mark.slow),  # compiled FlexAttention on CPU
     ],
 )
-def test_16k_forward_memory_is_far_below_a_score_matrix(attention, form):
-    result = peak_forward_memory(attention, form)
+def test_16k_forward_memory_is_far_below_a_score_matrix(attention, form, name):
+    result = peak_forward_memory(attention, form, name)
     score_matrices = N * N * 4 * result["heads"]  # float32 scores of one layer, all heads
-    print(f"{attention}-{form}: peak {result['peak_bytes'] / 2**20:.0f} MiB vs {score_matrices / 2**20:.0f} MiB")
+    print(f"{name} {attention}-{form}: peak {result['peak_bytes'] / 2**20:.0f} MiB vs {score_matrices / 2**20:.0f} MiB")
     assert result["finite"]
     assert result["peak_bytes"] < score_matrices / 10

@@ -19,6 +19,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +28,7 @@ import torch
 from omegaconf import OmegaConf
 
 from errors import UserError, first_line
+from model.config import ModelConfig
 from train import distributed as dist
 
 MARKER = "COMPLETE"
@@ -34,7 +36,9 @@ UNIVERSAL = "universal"  # a checkpoint's ZeRO state re-sliceable for any world 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^\.(tmp|trash)_step_\d{8}(_\d+)?$")
 # Fields that fix the parameter shapes and their meaning: a resume must not change them.
-SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "tie_embeddings", "attention")
+SHAPE_FIELDS = ("arch", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "tie_embeddings",
+                "attention")
+_MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
 
 class CheckpointError(UserError):
@@ -244,8 +248,8 @@ def older_hint(ckpt: Path) -> str:
 def check_compatible(ckpt: Path, model_cfg) -> None:
     """A clear error for a checkpoint of another model shape (any world size can resume: `train.elastic`)."""
     saved = saved_config(ckpt)
-    for name in SHAPE_FIELDS:
-        old, new = saved.model.get(name), getattr(model_cfg, name)
+    for name in SHAPE_FIELDS:  # a field the checkpoint predates (arch, n_kv_head) has its default
+        old, new = saved.model.get(name, _MODEL_DEFAULTS.get(name)), getattr(model_cfg, name)
         if old != new:
             raise CheckpointError(
                 f"checkpoint {ckpt} has model.{name}={old}, this run has model.{name}={new}: "

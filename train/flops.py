@@ -51,7 +51,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 per matmul weight (forward + backward) plus attention scores.
 
     Matmul weights are the non-embedding parameters and the LM head (the input embedding is a
-    lookup); attention adds 12 * layers * width * length (PaLM, appendix B).
+    lookup); attention adds 12 * layers * width * length (PaLM, appendix B). For arch=llama the
+    count has SwiGLU's three matrices and k/v of n_kv_head heads (`count_parameters`); the score
+    term is per query head, so grouped-query attention leaves it unchanged.
     """
     matmul_params = count_parameters(cfg)["non_embedding"] + cfg.vocab_size * cfg.n_embd
     return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_embd * seq_len

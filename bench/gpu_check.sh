@@ -58,7 +58,7 @@ if [ "$dry" = 1 ]; then
         batch_size=4 micro_batch_size=2 optim.lr=3e-3 optim.warmup_steps=2)
   bench_train=(--flavors tiny --steps 2)
   bench_attention=(--lengths 128 --repeats 1 --heads 2 --variants origin alibi)
-  bench_doc_mask=(--lengths 128 --repeats 1 --heads 2 --tokens 256 --attentions origin alibi --vocab-size 512
+  bench_doc_mask=(--lengths 128 --repeats 1 --heads 2 --tokens 256 --attentions origin alibi --vocab-size 512 --memory-repeats 1
                 --sample-docs 60)
   caps=(env=90 train=180 bench=180)  # generous: only a hang should reach them on a busy CPU
 else

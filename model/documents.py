@@ -59,27 +59,28 @@ def positions(documents: torch.Tensor) -> torch.Tensor:
 def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> torch.Tensor:
     """Document-masked attention as plain causal attention `attend(q, k, v)` on each document.
 
-    Rows that are one document go through `attend` together (the fused kernel, as unmasked);
-    in the others, each document of two or more tokens is its own call, and runs of one-token
-    documents (a synthetic row's padding EOS) are their values (softmax over one key is 1).
-    Nothing is masked, so memory and time are those of causal attention on the pieces. Under GQA
-    (v with fewer heads than q) a one-token document's output is its kv head's value in each
-    query head of the group.
+    Consecutive rows that are one document each go through `attend` together, as slices (views,
+    no copies: the fused kernel, as unmasked); in the other rows each document of two or more
+    tokens is its own call, and runs of one-token documents (a synthetic row's padding EOS) are
+    their values (softmax over one key is 1). Nothing is masked, so memory and time are those of
+    causal attention on the pieces. Under GQA (v with fewer heads than q) a one-token document's
+    output is its kv head's value in each query head of the group.
     """
     B, T = documents.shape
     group = q.shape[1] // v.shape[1]
     first = torch.ones_like(documents, dtype=torch.bool)
     first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    counts = first.sum(dim=-1).tolist()
-    single = [b for b in range(B) if counts[b] == 1]
-    rows: list[torch.Tensor | None] = [None] * B
-    if single:
-        index = torch.tensor(single, device=q.device)
-        whole = attend(q[index], k[index], v[index]) if len(single) < B else attend(q, k, v)
-        for i, b in enumerate(single):
-            rows[b] = whole[i : i + 1]
-    for b in range(B):
-        if rows[b] is not None:
+    single = (first.sum(dim=-1) == 1).tolist()
+    if all(single):
+        return attend(q, k, v)
+    out, b = [], 0
+    while b < B:
+        if single[b]:
+            end = b + 1
+            while end < B and single[end]:
+                end += 1
+            out.append(attend(q[b:end], k[b:end], v[b:end]))
+            b = end
             continue
         bounds = [*first[b].nonzero().flatten().tolist(), T]
         pieces, singles_from = [], None  # a run of one-token documents: their values, in one slice
@@ -93,8 +94,9 @@ def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> tor
             pieces.append(attend(q[b : b + 1, :, lo:hi], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi]))
         if singles_from is not None:
             pieces.append(_per_query_head(v[b : b + 1, :, singles_from:T], group))
-        rows[b] = torch.cat(pieces, dim=-2)
-    return torch.cat(rows)
+        out.append(torch.cat(pieces, dim=-2))
+        b += 1
+    return torch.cat(out)
 
 
 def _per_query_head(v: torch.Tensor, group: int) -> torch.Tensor:

@@ -1,73 +1,124 @@
-"""What the command lines of data/ and eval/ share: train's override syntax and one-line errors.
+"""What the command lines share below train: the composition of train's config tree, one-line errors.
 
-Overrides are parsed by the same Hydra composition `python -m train` uses (`train.config.compose`):
-`sources=[{kind:files,path:"x/{split}.jsonl"}]` here is `data.sources=...` there, and group
-options (`data=pg19`, `experiment=micro`) work too. Every error is one `error: ...` line; the
-exit status says whose turn it is:
+The data command lines take train's override syntax: `conf/config.yaml` composed as
+`python -m train` composes it (`compose_tree`), with its `data` subtree typed by `DataConfig` and
+every other key left untyped (those are train's to check, and train sits above this module).
+`sources=[{kind:files,path:"x/{split}.jsonl"}]` here is `data.sources=...` there, and group options
+(`data=pg19`, `experiment=micro`) work too. Every error is one `error: ...` line with errors.py's
+exit status (`exit_code`):
 
-- 2, usage: the command line is wrong (an unknown key or bad value, a path that is missing or a
-  file where a directory is expected, an unavailable device);
-- 1, runtime: an input it names is unusable (`DataError`: an empty or binary corpus, no documents
-  for a split, a file that is not a tokenizer model, malformed results JSON, a corpus file that
-  does not parse).
+- 2, usage: the command line is wrong (an unknown key or bad value, a file where a directory is
+  expected, an unavailable device);
+- 1, unusable input: a file it names is missing, or its content is unusable (`DataError`: an
+  empty or binary corpus, no documents for a split, a file that is not a tokenizer model,
+  malformed results JSON, a corpus file that does not parse).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import NoReturn
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NoReturn, TypeVar
 
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.config import DataConfig, DataError
+import errors
+from data.config import REPO_ROOT, DataConfig, DataError
+from errors import EXIT_INPUT, EXIT_USAGE, UsageError, one_line
 
-USAGE, RUNTIME = 2, 1
+USAGE, RUNTIME = EXIT_USAGE, EXIT_INPUT  # the names eval.report reads
+CONF_DIR = REPO_ROOT / "conf"
 _GROUPS = ("data", "experiment")  # train config groups that may select data settings
+T = TypeVar("T")
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors are one `error:` line (exit 2) instead of usage + message."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(USAGE, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
+
+
+def compose_tree(config_name: str, overrides: list[str], register: Callable[[], None], job_name: str) -> DictConfig:
+    """`conf/<config_name>.yaml` composed with command-line overrides once `register` has put its
+    schema in Hydra's store; a bad override is a `UsageError` of one line (with the options of a
+    group that has no such option, or how to write an override that does not parse)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+
+    register()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=job_name):
+            return compose(config_name=config_name, overrides=overrides)
+    except MissingConfigException as error:
+        options = ", ".join(error.options or [])
+        raise UsageError(f"{one_line(error)} (available: {options})" if options else one_line(error)) from None
+    except OverrideParseException as error:
+        raise UsageError(f"{one_line(error)}: write key=value") from None
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        raise UsageError(one_line(error)) from None
+
+
+def validated(schema: type[T], cfg: DictConfig) -> T:
+    """The validated dataclass (every `__post_init__` check run) of a composed config; `+key`
+    additions are refused too (merging onto the schema rejects them)."""
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=False)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
+    except (OmegaConfBaseException, ValueError, TypeError) as error:
+        raise UsageError(one_line(error)) from None
+
+
+@dataclass
+class _Data:
+    """What the data command lines read of train's tree, validated under its full key names (`data.x`)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def _register_data_view() -> None:
+    """`conf/config.yaml`'s root schema as the data command lines see it: `data` typed by
+    `DataConfig`, the rest open, so that presets and group options setting train's keys compose;
+    the `model` group's options are the flavors (`model.config.FLAVORS`), as train registers them."""
+    from hydra.core.config_store import ConfigStore
+
+    from model.config import FLAVORS, flavor
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node={"data": DataConfig})
+    for name in FLAVORS:
+        store.store(group="model", name=name, node=flavor(name))
 
 
 def data_config(overrides: list[str]) -> DataConfig:
-    """A DataConfig from `key=value` overrides of its keys, parsed and type-checked as train's.
-
-    Raises `ValueError` with train's one-line message on a bad override.
-    """
-    from train.config import ConfigError, compose, to_train_config  # the one parser (lazy: Hydra)
+    """A DataConfig from `key=value` overrides of its keys (`data.` is implied), composed and
+    type-checked as train's `data`; a bad override is a `UsageError` with train's one-line message."""
 
     def scoped(item: str) -> str:
         key = item.split("=", 1)[0].lstrip("+~")
-        return item if key in _GROUPS or key.startswith("data.") else f"data.{item}"
+        sign = item[: len(item) - len(item.lstrip("+~"))]  # `+key` adds, `~key` deletes: before `data.`
+        return item if key in _GROUPS or key.startswith("data.") else f"{sign}data.{item[len(sign):]}"
 
-    try:
-        return to_train_config(compose([scoped(o) for o in overrides])).data
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
+    composed = compose_tree("config", [scoped(o) for o in overrides], _register_data_view, job_name="data")
+    return validated(_Data, OmegaConf.masked_copy(composed, ["data"])).data
 
 
 def exit_code(error: BaseException) -> int | None:
-    """RUNTIME for unusable inputs, USAGE for other expected errors, None for a bug (re-raise)."""
+    """errors.py's rule, with what data knows: EXIT_INPUT for a `DataError` or a corpus file that
+    `datasets` could not parse (pyarrow's `ArrowInvalid`), EXIT_USAGE for Hydra's and OmegaConf's
+    errors (a bad override), else `errors.exit_code`; None for a bug."""
     import pyarrow as pa
+    from hydra.errors import HydraException
 
-    if isinstance(error, (DataError, pa.ArrowInvalid)):  # ArrowInvalid: `datasets` could not parse a file
-        return RUNTIME
-    if isinstance(error, (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                          OmegaConfBaseException)):
-        return USAGE
-    return None
+    if isinstance(error, (DataError, pa.ArrowInvalid)):
+        return EXIT_INPUT
+    if isinstance(error, (HydraException, OmegaConfBaseException)):
+        return EXIT_USAGE
+    return errors.exit_code(error)
 
 
 def fail(error: BaseException) -> NoReturn:
     """Exit with `error` as one line and its exit status; re-raise what is not an input error."""
-    from train.config import one_line
-
-    code = exit_code(error)
-    if code is None:
-        raise error
-    print(f"error: {one_line(error)}", file=sys.stderr)
-    raise SystemExit(code)
+    raise SystemExit(errors.report_error(error, exit_code(error)))

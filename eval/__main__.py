@@ -2,8 +2,9 @@
 
 Loads the model once, runs the tasks under each RoPE scaling, writes `<run>/eval/<task>.json` and
 the tables and figures (`eval.report`), and logs them to W&B. Bad input ends with a one-line
-`error: ...`, checked before the model loads where it can be: exit status 2 for a wrong command
-line (key, value, path, device), 1 for an unusable input it names (`data.cli`).
+`error: ...`, checked before the model loads where it can be, with errors.py's exit status: 2 for
+a wrong command line (key, value, device, a file where a folder is expected), 1 for an unusable
+input it names (a missing run or file, a bad checkpoint, an unusable corpus: `data.cli`).
 
 The evaluation corpus: the run's training sources (their `split`, test by default), or the
 `sources=` given here. Files given here are read whole when they are split by document (a path
@@ -29,24 +30,25 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.cli import exit_code
 from data.config import DataConfig, DataError, check_dir
 from data.documents import long_documents
 from data.sources import by_document, source_files
 from data.tasks import make_cases, make_recall_cases, recall_vocab
 from data.tokenizer import Tokenizer
-from errors import one_line
+from errors import UsageError, UserError, report_error
 from eval import report
 from eval.config import EvalConfig, Scaling, default_lengths
 from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_passkey, sweep_ppl, sweep_recall
 from eval.wandb_log import log_to_wandb
 from model import GPT
-from train.checkpoint import CheckpointError, find_checkpoint
-from train.config import ConfigError, TrainConfig, compose_tree, validated
+from train.checkpoint import find_checkpoint
+from train.config import TrainConfig, compose_tree, validated
 from train.load import check_device, load_model
 
 
-class EvalError(Exception):
-    """A problem with the user's input, reported as one line."""
+class EvalError(UsageError):
+    """A request this run cannot serve (a length, layer or source it lacks), reported as one line."""
 
 
 @dataclass
@@ -108,7 +110,7 @@ def check_sources_listed(cfg: EvalConfig) -> None:
 def open_session(cfg: EvalConfig) -> Session:
     run = Path(cfg.run)
     if not run.exists():
-        raise EvalError(f"run or checkpoint not found: {run}")
+        raise FileNotFoundError(f"run or checkpoint not found: {run}")
     check_device(cfg.device)
     out = Path(cfg.out_dir) if cfg.out_dir else run_dir_of(run) / "eval"
     check_dir(out, "out_dir")
@@ -284,10 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = validated(EvalConfig, dcfg)
         torch.manual_seed(cfg.seed)
         written = evaluate(cfg)
-    except (EvalError, ConfigError, CheckpointError, HydraException, OmegaConfBaseException, ValueError,
-            FileNotFoundError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return 1 if isinstance(e, DataError) else 2  # data.cli: unusable input, else usage
+    except (UserError, HydraException, OmegaConfBaseException, ValueError, OSError) as e:
+        return report_error(e, exit_code(e))
     for task, paths in written.items():
         print(f"{task}: " + ", ".join(str(p) for p in paths))
     return 0

@@ -3,7 +3,9 @@
 Prints the prompt, then streams its continuation to stdout as it is sampled. The prompt comes from
 `prompt=`, or from stdin when it is absent. As in training, the model sees EOS first (every document starts
 after one); sampling stops at EOS unless `stop_at_eos=false`. Bad input ends with one
-`error: ...` line on stderr and exit status 2.
+`error: ...` line on stderr and errors.py's exit status: 2 for a wrong command line (an unknown
+key, a bad value, an unavailable device, no prompt), 1 for an unusable input (a missing run, a
+bad checkpoint, torch failing on the model it holds).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from data.cli import exit_code
+from errors import EXIT_INPUT, UsageError, UserError, report_error
 from generate import sample
 from model.config import parse_scaling
-from train.checkpoint import CheckpointError
-from train.config import one_line
 from train.load import check_device
 
 USAGE = """usage: python -m generate run=<run dir or checkpoint> [prompt="..."] [key=value ...]
@@ -27,8 +29,8 @@ USAGE = """usage: python -m generate run=<run dir or checkpoint> [prompt="..."] 
   the prompt is read from stdin when prompt= is absent"""
 
 
-class GenerateError(Exception):
-    """Bad input, reported as one line."""
+class GenerateError(UsageError):
+    """A wrong command line, reported as one line."""
 
 
 @dataclass
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = parse(args)
         scaling = None if opts.rope_scaling == "as_trained" else parse_scaling(opts.rope_scaling)
         if not Path(opts.run).exists():
-            raise GenerateError(f"run or checkpoint not found: {opts.run}")
+            raise FileNotFoundError(f"run or checkpoint not found: {opts.run}")
         check_device(opts.device)
         prompt = opts.prompt if opts.prompt is not None else read_prompt(sys.stdin)
         model, tokenizer = quiet_load(opts.run, opts.device)
@@ -152,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                 printer.add(token)
         printer.add(None, final=True)
         print()
-    except (GenerateError, CheckpointError, ValueError, OSError, RuntimeError) as error:
-        print(f"error: {one_line(error)}", file=sys.stderr)
-        return 2
+    except (UserError, ValueError, OSError, RuntimeError) as error:
+        # RuntimeError: torch failing on the loaded model (out of memory, a non-finite distribution)
+        return report_error(error, EXIT_INPUT if isinstance(error, RuntimeError) else exit_code(error))
     except KeyboardInterrupt:
         print()
         return 130

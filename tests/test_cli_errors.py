@@ -1,7 +1,8 @@
 """Every bad input to the command lines of data/, eval/, generate/ and the exporter: one `error:`
-line, its exit status (2: the command line is wrong, 1: an input it names is unusable), found before
-any expensive work and leaving everything as it was; train's configuration errors once, off stdout.
-Plus train's override syntax in the data command lines."""
+line, its exit status (errors.py, the same for every command: 2 the command line is wrong, 1 an
+input it names is missing or unusable), found before any expensive work and leaving everything as
+it was; train's configuration errors once, off stdout. Plus train's override syntax in the data
+command lines, composed below train as train composes it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from data.prepare import main as prepare_main
 from data.tokenizer import Tokenizer
 from data.tokenizer import main as tokenizer_main
+from errors import UsageError
 from eval.__main__ import main as eval_main
 from eval.report import main as report_main
 from run_checks import clean_env
@@ -154,6 +156,31 @@ def test_train_override_syntax_in_tokenizer_and_prepare(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_data_overrides_compose_as_train_composes_them():
+    """`data.cli` composes train's tree below train (a DataConfig view of its schema): the same data
+    settings as `python -m train` for keys, groups and presets, the same one-line refusals."""
+    from data.cli import data_config
+    from train.config import ConfigError, compose, to_train_config
+
+    same = [([], []), (["experiment=micro"], ["experiment=micro"]),
+            (["experiment=paper_350m_coca"], ["experiment=paper_350m_coca"]),
+            (["data=pg19", "seed=3"], ["data=pg19", "data.seed=3"]),
+            (["tokenizer.vocab_size=300", 'sources=[{kind:files,path:"x/{split}.jsonl"}]'],
+             ["data.tokenizer.vocab_size=300", 'data.sources=[{kind:files,path:"x/{split}.jsonl"}]'])]
+    for ours, trains in same:
+        assert data_config(ours) == to_train_config(compose(trains)).data, ours
+    refused = [("tokenizer.vocab_sise=300", "data.tokenizer.vocab_sise=300"), ("+foo=1", "+data.foo=1"),
+               ("tokenizer.vocab_size=many", "data.tokenizer.vocab_size=many"),
+               ("sources=[{kind:files", "data.sources=[{kind:files"), ("data=nope", "data=nope"),
+               ("tokenizer.character_coverage=2", "data.tokenizer.character_coverage=2")]
+    for ours, trains in refused:
+        with pytest.raises(ConfigError) as train_error:
+            to_train_config(compose([trains]))
+        with pytest.raises(UsageError) as data_error:
+            data_config([ours])
+        assert str(data_error.value) == str(train_error.value), ours
+
+
 def test_prepare_cli_process_one_line(tmp_path):
     """The real command line, in its own interpreter: exit status and a single stderr line."""
     done = subprocess.run([sys.executable, "-m", "data.prepare", "--out", str(tmp_path / "o"), "--shard-tokens", "0"],
@@ -182,7 +209,7 @@ def test_eval_cuda_without_cuda(tmp_path, capsys):
 def test_eval_explicit_source_missing(tmp_path, capsys):
     code = eval_main([f"run={tmp_path}", f"sources=[{{kind:files,path:\"{tmp_path}/books/test.jsonl\"}}]",
                       "wandb.mode=disabled"])
-    _one_error(capsys, code, 2, "no file matches", "books/test.jsonl")
+    _one_error(capsys, code, 1, "no file matches", "books/test.jsonl")  # a missing file
     assert list(tmp_path.iterdir()) == []
 
 
@@ -202,6 +229,37 @@ def test_report_malformed_json_and_out_file(tmp_path, capsys):
     code = report_main([str(tmp_path / "run"), "--out", str(tmp_path / "taken")])
     _one_error(capsys, code, 2, "--out=", "is a file, not a directory")
     assert _snapshot(tmp_path) == before and not (tmp_path / "cmp").exists()
+
+
+# --- one rule for every command (errors.py) ---------------------------------------------------
+def test_every_command_exits_1_on_a_bad_checkpoint_and_2_on_an_unknown_key(tmp_path, capsys):
+    """The four commands that read or write checkpoints on the same bad checkpoint (an interrupted
+    write: no marker) and the same unknown key: one `error:` line each, the same exit status
+    (errors.py: 1 unusable input, 2 bad usage). The checkpoint as processes, started together (each
+    is mostly its imports); the key meanwhile in this one, by the `main` each process exits with."""
+    from generate.__main__ import main as generate_main
+    from run_checks import error_line
+    from train.__main__ import main as train_main
+    from train.export_hf import main as export_main
+
+    bad = tmp_path / "runs" / "r" / "checkpoints" / "step_00000002"
+    bad.mkdir(parents=True)
+    (bad / "mp_rank_00_model_states.pt").write_bytes(b"cut off")
+    commands = {"train": (train_main, [f"run_dir={tmp_path / 'new'}", f"resume={bad}", *MICRO]),
+                "eval": (eval_main, [f"run={bad}", "wandb.mode=disabled"]),
+                "generate": (generate_main, [f"run={bad}", "prompt=x"]),
+                "train.export_hf": (export_main, [f"run={bad}", f"out={tmp_path / 'hf'}"])}
+    started = {name: subprocess.Popen([sys.executable, "-m", name, *args], cwd=ROOT, env=clean_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for name, (_, args) in commands.items()}
+    for main, args in commands.values():
+        _one_error(capsys, main([*args, "nope=1"]), 2, "nope")
+    for name, proc in started.items():
+        out, err = proc.communicate(timeout=600)
+        result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        assert result.returncode == 1, (name, err[-2000:])
+        assert f"checkpoint {bad} is incomplete" in error_line(result), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing written
 
 
 # --- a trained run: the exporter, generate and eval on it; train under the launcher ----------------
@@ -271,6 +329,7 @@ def test_export_out_that_is_a_file_or_under_a_read_only_folder(run_copy, tmp_pat
         locked.chmod(0o500)
         try:
             code = export_main([f"run={run_copy}", f"out={locked / 'hf'}"])
+            # check_dir's ValueError: usage, though errors.py names an unwritable folder unusable input
             _one_error(capsys, code, 2, "is not writable")
         finally:
             locked.chmod(0o700)
@@ -288,11 +347,11 @@ def test_corrupt_newest_checkpoint_points_to_the_older_sound_one(run_copy, tmp_p
     before = _sizes(tmp_path)
     hint = f"run={older} loads step 1, the newest sound one before it"
     code = eval_main([f"run={run_copy}", "task=ppl", "wandb.mode=disabled"])
-    _one_error(capsys, code, 2, "step_00000002 is corrupt", hint)
+    _one_error(capsys, code, 1, "step_00000002 is corrupt", hint)
     code = generate_main([f"run={run_copy}", "prompt=x"])
-    _one_error(capsys, code, 2, "step_00000002 is corrupt", hint)
+    _one_error(capsys, code, 1, "step_00000002 is corrupt", hint)
     code = export_main([f"run={run_copy}", f"out={tmp_path / 'hf'}"])
-    _one_error(capsys, code, 2, "step_00000002 is corrupt", hint)
+    _one_error(capsys, code, 1, "step_00000002 is corrupt", hint)
     assert _sizes(tmp_path) == before
 
 
@@ -332,7 +391,7 @@ def test_train_error_after_setup_keeps_stdout_clear(tmp_path):
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
     if torch.cuda.is_available():
         pytest.skip("fp16 is allowed on a GPU")
-    assert done.returncode == 1 and done.stdout == "", (done.stdout, done.stderr[-2000:])
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr[-2000:])  # a ConfigError
     assert len(done.stderr.strip().splitlines()) == 1 and "deepspeed.precision=fp16" in done.stderr
     assert not run_dir.exists()
 
@@ -350,7 +409,7 @@ def test_world_size_error_under_the_deepspeed_launcher_is_one_line(tmp_path):
                            *MICRO, f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}",
                            "batch_size=4", "micro_batch_size=4"],
                           cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1
+    assert done.returncode == 2  # a ConfigError: bad usage
     assert done.stderr.strip().splitlines() == [
         "error: batch_size=4 is not divisible by micro_batch_size=4 x world size 2: run on a number of ranks "
         "that divides 1, or change batch_size"], done.stderr[-3000:]

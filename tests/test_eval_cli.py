@@ -107,7 +107,7 @@ def test_explicit_file_is_evaluated_whole_whatever_its_name(run, tmp_path):
 def test_missing_run_exits_with_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "eval", f"run={tmp_path / 'nope'}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
+    assert done.returncode == 1  # a missing file: unusable input (errors.py)
     assert done.stderr.strip() == f"error: run or checkpoint not found: {tmp_path / 'nope'}"
 
 
@@ -146,7 +146,7 @@ def test_bad_input_for_a_run_is_one_clear_line(run, tmp_path, capsys, overrides,
 
 
 def test_empty_run_dir_is_a_clear_error(tmp_path, capsys):
-    assert main([f"run={tmp_path}"]) == 2
+    assert main([f"run={tmp_path}"]) == 1  # a bad checkpoint: unusable input
     assert capsys.readouterr().err.strip() == f"error: no complete checkpoint found in {tmp_path}"
 
 

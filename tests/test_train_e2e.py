@@ -223,7 +223,7 @@ def test_bf16_run_trains_and_exports_fp32(cache, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is refused only where the device lacks it (the CPU)")
 def test_fp16_on_cpu_is_a_clear_error(cache, tmp_path):
     result = train(tmp_path / "run", cache, "deepspeed.precision=fp16", "logger.wandb=disabled")
-    assert result.returncode == 1
+    assert result.returncode == 2  # a ConfigError: bad usage
     assert "deepspeed.precision=fp16 is not supported on this device (cpu)" in error_line(result)
 
 
@@ -239,7 +239,7 @@ def test_run_dir_that_is_a_file_is_one_line_before_anything_is_written(tmp_path)
     run_dir.write_text("not a folder")
     cache.mkdir()
     result = train(run_dir, cache)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a file given where a folder is expected: a bad value
     assert error_line(result) == (f"error: run_dir='{run_dir}' is a file, not a directory: "
                                   "give run_dir a directory path")
     assert "Traceback" not in result.stderr

@@ -1,10 +1,12 @@
 """`python -m train [--cfg job] key=value ...`: compose the config, then train.
 
 Also runs under `torchrun` and `deepspeed --module train` (its `--local_rank=N` is removed
-before the overrides are parsed). Exit codes: 0 done, 1 run error, 2 bad configuration,
-128 + signal (143 SIGTERM, 130 SIGINT) after a signal: every rank finishes its step and the
-checkpoint of that step is complete on disk (a signal before training starts ends the process
-without one: there is nothing new to save).
+before the overrides are parsed). Exit codes (errors.py, as every command): 0 done, 1 unusable
+input (a missing or bad checkpoint or corpus file, and a non-finite loss with nonfinite=stop),
+2 bad usage (a bad key or value, a batch that does not split over the ranks), 128 + signal
+(143 SIGTERM, 130 SIGINT) after a signal: every rank finishes its step and the checkpoint of that
+step is complete on disk (a signal before training starts ends the process without one: there
+is nothing new to save).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import traceback
 
 from omegaconf import OmegaConf
 
+from data.cli import exit_code
+from errors import EXIT_INPUT, UserError, report_error
 from train.config import ConfigError, TrainConfig, compose, to_train_config
 from train.distributed import strip_local_rank
 
@@ -59,21 +63,19 @@ def main(argv: list[str] | None = None) -> int:
         composed = compose(overrides)
         cfg = to_train_config(composed)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report_error(error)
     if show:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
         return 0
 
-    from errors import UserError
     from train.preflight import preflight
 
     try:
         preflight(cfg)
     except (UserError, FileNotFoundError, ValueError) as error:
-        if int(os.environ.get("RANK", "0")) == 0:  # the same verdict on every rank
-            print(f"error: {error}", file=sys.stderr)
-        return 1
+        code = exit_code(error)
+        # the same verdict on every rank, said once
+        return report_error(error, code) if int(os.environ.get("RANK", "0")) == 0 else code
 
     import torch
 
@@ -92,13 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, NonFiniteLossError, FileNotFoundError, ValueError) as error:
         if os.environ.get("TRAIN_TRACEBACK"):
             traceback.print_exc()
+        code = EXIT_INPUT if isinstance(error, NonFiniteLossError) else exit_code(error)
         if isinstance(error, ConfigError):  # a verdict on the configuration, the same on every rank
-            if dist.is_main():
-                print(f"error: {error}", file=sys.stderr)
-            return 1
-        prefix = f"[rank {dist.rank()}] " if dist.world_size() > 1 else ""
-        print(f"{prefix}error: {error}", file=sys.stderr)
-        return 1
+            return report_error(error, code) if dist.is_main() else code
+        return report_error(error, code, prefix=f"[rank {dist.rank()}] " if dist.world_size() > 1 else "")
     finally:
         dist.destroy()
 

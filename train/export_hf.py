@@ -9,6 +9,10 @@ one (what a run looks like is train's knowledge, checked here), then `hf.export.
 a non-empty `out` must be a previous export, recognised by the marker `coca_lm_export.json` that
 lists its files, and is replaced only with `overwrite=true`. The export is written beside `out` and
 renamed in: a failure leaves the previous export or nothing.
+
+Errors are one `error: ...` line with errors.py's exit status: 2 for a wrong command line (an
+unknown argument or bad value, an `out` refused: hf's `ExportError`), 1 for an unusable input (a
+missing run, a bad checkpoint, a tokenizer the export cannot express).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import contextlib
 import sys
 from pathlib import Path
 
+from data.cli import exit_code
 from data.tokenizer import Tokenizer
+from errors import EXIT_USAGE, UsageError, UserError, report_error
 from hf.export import ExportError, check_out, export_hf, tokenizer_refusal
 from model.config import parse_scaling
-from train.checkpoint import MARKER, CheckpointError, find_checkpoint
-from train.config import one_line
+from train.checkpoint import MARKER, find_checkpoint
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "deepspeed.json")  # beside config.yaml: a run directory
 USAGE = ("usage: python -m train.export_hf run=<run dir or checkpoint> out=<dir> "
@@ -65,18 +70,18 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
     for arg in argv:
         key, eq, value = arg.partition("=")
         if not eq or key not in ("run", "out", "rope_scaling", "overwrite"):
-            raise ExportError(f"unknown argument {arg!r}; {USAGE}")
+            raise UsageError(f"unknown argument {arg!r}; {USAGE}")
         args[key] = value
     for key in ("run", "out"):
         if not args.get(key):
-            raise ExportError(f"{key}= is required; {USAGE}")
+            raise UsageError(f"{key}= is required; {USAGE}")
     if args.get("overwrite", "false") not in ("true", "false"):
-        raise ExportError(f"overwrite={args['overwrite']!r} must be true or false")
+        raise UsageError(f"overwrite={args['overwrite']!r} must be true or false")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit 0 with the directory written, or 2 with one `error: ...` line on stderr."""
+    """Exit 0 with the directory written, else 1 or 2 (the module's docstring) with one `error:` line."""
     from train.load import TOKENIZER_FILE, load_model
 
     try:
@@ -84,21 +89,20 @@ def main(argv: list[str] | None = None) -> int:
         out, run, overwrite = Path(args["out"]), Path(args["run"]), args.get("overwrite") == "true"
         scaling = parse_scaling(args["rope_scaling"]) if "rope_scaling" in args else None
         if not run.exists():
-            raise ExportError(f"run or checkpoint not found: {run}")
+            raise FileNotFoundError(f"run or checkpoint not found: {run}")
         check_outside_runs(out, run)
         check_out(out, overwrite)
         ckpt = find_checkpoint(run)
         refusal = tokenizer_refusal(Tokenizer(ckpt / TOKENIZER_FILE))
         if refusal:
-            raise ExportError(refusal)
+            raise UserError(refusal)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's merge prints progress to stdout
             model, _, tokenizer = load_model(str(ckpt))
         if scaling is not None:
             model.set_rope_scaling(scaling.type, scaling.factor)
         export_hf(model, tokenizer, out, overwrite=overwrite, checkpoint=ckpt)
-    except (ExportError, CheckpointError, ValueError, OSError) as error:
-        print(f"error: {one_line(error)}", file=sys.stderr)
-        return 2
+    except (ExportError, UserError, ValueError, OSError) as error:
+        return report_error(error, EXIT_USAGE if isinstance(error, ExportError) else exit_code(error))
     m = model.cfg
     kind = m.attention if m.attention != "coca" else f"coca {m.coca_form}"
     code = "" if m.attention == "origin" else " (trust_remote_code=True)"

@@ -29,6 +29,11 @@ class UsageError(UserError):
     exit_code = EXIT_USAGE
 
 
+class ConfigError(UsageError):
+    """A bad configuration or override (every command's Hydra composition, train's checks); its
+    message is one line naming the key."""
+
+
 def exit_code(error: BaseException) -> int | None:
     """The exit code of an expected error: its type's own `exit_code` (every `UserError`), else
     EXIT_INPUT for an `OSError` (a file missing, unreadable or unwritable) and EXIT_USAGE for a

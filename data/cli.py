@@ -25,10 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import errors
-from data.config import REPO_ROOT, DataConfig, DataError
-from errors import EXIT_INPUT, EXIT_USAGE, UsageError, one_line
+from data.config import REPO_ROOT, DataConfig
+from errors import EXIT_INPUT, EXIT_USAGE, ConfigError, one_line
 
-USAGE, RUNTIME = EXIT_USAGE, EXIT_INPUT  # the names eval.report reads
 CONF_DIR = REPO_ROOT / "conf"
 _GROUPS = ("data", "experiment")  # train config groups that may select data settings
 T = TypeVar("T")
@@ -43,8 +42,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 def compose_tree(config_name: str, overrides: list[str], register: Callable[[], None], job_name: str) -> DictConfig:
     """`conf/<config_name>.yaml` composed with command-line overrides once `register` has put its
-    schema in Hydra's store; a bad override is a `UsageError` of one line (with the options of a
-    group that has no such option, or how to write an override that does not parse)."""
+    schema in Hydra's store: the one composition of every command (train, eval, the data CLIs). A
+    bad override is a `ConfigError` of one line (with the options of a group that has no such
+    option, or how to write an override that does not parse)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 
@@ -54,11 +54,11 @@ def compose_tree(config_name: str, overrides: list[str], register: Callable[[], 
             return compose(config_name=config_name, overrides=overrides)
     except MissingConfigException as error:
         options = ", ".join(error.options or [])
-        raise UsageError(f"{one_line(error)} (available: {options})" if options else one_line(error)) from None
+        raise ConfigError(f"{one_line(error)} (available: {options})" if options else one_line(error)) from None
     except OverrideParseException as error:
-        raise UsageError(f"{one_line(error)}: write key=value") from None
+        raise ConfigError(f"{one_line(error)}: write key=value") from None
     except (HydraException, OmegaConfBaseException, ValueError) as error:
-        raise UsageError(one_line(error)) from None
+        raise ConfigError(one_line(error)) from None
 
 
 def validated(schema: type[T], cfg: DictConfig) -> T:
@@ -68,7 +68,7 @@ def validated(schema: type[T], cfg: DictConfig) -> T:
         plain = OmegaConf.to_container(cfg, resolve=False)
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
     except (OmegaConfBaseException, ValueError, TypeError) as error:
-        raise UsageError(one_line(error)) from None
+        raise ConfigError(one_line(error)) from None
 
 
 @dataclass
@@ -94,7 +94,7 @@ def _register_data_view() -> None:
 
 def data_config(overrides: list[str]) -> DataConfig:
     """A DataConfig from `key=value` overrides of its keys (`data.` is implied), composed and
-    type-checked as train's `data`; a bad override is a `UsageError` with train's one-line message."""
+    type-checked as train's `data`; a bad override is a `ConfigError` with train's one-line message."""
 
     def scoped(item: str) -> str:
         key = item.split("=", 1)[0].lstrip("+~")
@@ -106,13 +106,13 @@ def data_config(overrides: list[str]) -> DataConfig:
 
 
 def exit_code(error: BaseException) -> int | None:
-    """errors.py's rule, with what data knows: EXIT_INPUT for a `DataError` or a corpus file that
-    `datasets` could not parse (pyarrow's `ArrowInvalid`), EXIT_USAGE for Hydra's and OmegaConf's
-    errors (a bad override), else `errors.exit_code`; None for a bug."""
+    """errors.py's rule (`errors.exit_code`: a `DataError` is EXIT_INPUT), with what data knows:
+    EXIT_INPUT for a corpus file that `datasets` could not parse (pyarrow's `ArrowInvalid`),
+    EXIT_USAGE for Hydra's and OmegaConf's errors (a bad override); None for a bug."""
     import pyarrow as pa
     from hydra.errors import HydraException
 
-    if isinstance(error, (DataError, pa.ArrowInvalid)):
+    if isinstance(error, pa.ArrowInvalid):
         return EXIT_INPUT
     if isinstance(error, (HydraException, OmegaConfBaseException)):
         return EXIT_USAGE

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from errors import EXIT_INPUT
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SOURCE_KINDS = ("stdlib", "files", "hub", "tokens", "synthetic")
 TEXT_KINDS = ("stdlib", "files", "hub")
@@ -16,10 +18,12 @@ SPLITS = ("train", "val", "test")
 
 
 class DataError(ValueError):
-    """An input exists but its content is unusable (an empty or binary corpus file, no documents
-    for a split, a file that is not a tokenizer model): command lines exit 1 on it, and 2 on every
-    other `ValueError` (the command line itself is wrong). A `ValueError`, so callers that catch
-    those keep working."""
+    """An input exists but is unusable (an empty or binary corpus file, no documents for a split,
+    a file that is not a tokenizer model, a folder that is not writable): command lines exit 1 on
+    it (`exit_code`), and 2 on every other `ValueError` (the command line itself is wrong). A
+    `ValueError`, so callers that catch those keep working."""
+
+    exit_code = EXIT_INPUT
 
 
 def check_dir(path: str | os.PathLike, key: str) -> None:
@@ -32,7 +36,7 @@ def check_dir(path: str | os.PathLike, key: str) -> None:
                 what = "is" if p == target else f"is under {p}, which is"
                 raise ValueError(f"{key}={str(path)!r} {what} a file, not a directory: give {key} a directory path")
             if not os.access(p, os.W_OK | os.X_OK):
-                raise ValueError(f"{key}={str(path)!r}: {p} is not writable: give {key} a writable directory")
+                raise DataError(f"{key}={str(path)!r}: {p} is not writable: give {key} a writable directory")
             return
 
 

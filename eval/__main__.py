@@ -30,7 +30,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.cli import exit_code
+from data.cli import compose_tree, exit_code, validated
 from data.config import DataConfig, DataError, check_dir
 from data.documents import long_documents
 from data.sources import by_document, source_files
@@ -43,7 +43,7 @@ from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_p
 from eval.wandb_log import log_to_wandb
 from model import GPT
 from train.checkpoint import find_checkpoint
-from train.config import TrainConfig, compose_tree, validated
+from train.config import TrainConfig
 from train.load import check_device, load_model
 
 

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data.cli import RUNTIME, USAGE, OneLineParser
+from data.cli import OneLineParser, exit_code
 from data.config import DataError, check_dir
+from errors import report_error
 from eval import aggregate, plots, stats
 
 TASKS = ("ppl", "passkey", "recall", "attention")
@@ -540,7 +541,8 @@ def _orderings(tests: Sequence[dict], lengths: Sequence[int], lower_is_better: b
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit 0, 2 for a wrong command line (a missing run, --out a file), 1 for a malformed result file."""
+    """Exit 0; errors.py's rule otherwise: 1 for an unusable input (a run without results, a
+    malformed result file, an unwritable --out), 2 for a wrong command line (--out a file)."""
     parser = OneLineParser(prog="python -m eval.report", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (or their eval/ folders)")
     parser.add_argument("--out", type=Path, default=Path("eval_report"), help="output folder")
@@ -551,8 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_dir(args.out, "--out")
         written = compare(args.runs, args.out, args.family)
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return RUNTIME if isinstance(e, DataError) else USAGE
+        return report_error(e, exit_code(e))
     for task, paths in written.items():
         for p in paths:
             print(f"{task}: {p}")

@@ -329,8 +329,7 @@ def test_export_out_that_is_a_file_or_under_a_read_only_folder(run_copy, tmp_pat
         locked.chmod(0o500)
         try:
             code = export_main([f"run={run_copy}", f"out={locked / 'hf'}"])
-            # check_dir's ValueError: usage, though errors.py names an unwritable folder unusable input
-            _one_error(capsys, code, 2, "is not writable")
+            _one_error(capsys, code, 1, "is not writable")  # unusable input (a DataError)
         finally:
             locked.chmod(0o700)
     assert _sizes(tmp_path) == before

@@ -189,7 +189,7 @@ def test_prompt_seed_must_be_run_fixed_or_a_seed(tmp_path, capsys):
 
 
 def test_eval_composes_like_train_an_added_key_is_one_line(capsys):
-    """The one composition (`train.config.compose_tree` + `validated`): `+key` is rejected as train
+    """The one composition (`data.cli.compose_tree` + `validated`): `+key` is rejected as train
     rejects it, before anything is loaded."""
     assert main(["run=x", "+passkey.n_case=5"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

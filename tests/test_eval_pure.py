@@ -198,7 +198,7 @@ def test_compare_runs_of_different_training_lengths(tmp_path):
 
 
 def test_compare_missing_results_is_a_clear_error(tmp_path, capsys):
-    assert report.main([str(tmp_path / "nothing")]) == 2
+    assert report.main([str(tmp_path / "nothing")]) == 1  # unusable input (errors.py)
     err = capsys.readouterr().err
     assert err.startswith("error: no evaluation results in") and len(err.strip().splitlines()) == 1
 

@@ -8,23 +8,18 @@ generated from them (`train.engine.deepspeed_config`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
+from data.cli import compose_tree, validated
 from data.config import DataConfig
-from errors import EXIT_USAGE, UserError, one_line
+from errors import ConfigError
 from model.config import FLAVORS, ModelConfig, flavor
 
-T = TypeVar("T")
+__all__ = ["ConfigError", "TrainConfig", "compose", "register_configs", "to_train_config"]  # ConfigError: errors.py
 
 DECAYS = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -201,15 +196,6 @@ class TrainConfig:
         return self.batch_size // per_step
 
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-class ConfigError(UserError):
-    """A bad configuration or override; its message is one line naming the key."""
-
-    exit_code = EXIT_USAGE
-
-
 def register_configs() -> None:
     """Register the schema and the model flavors (from `model.config.FLAVORS`, the one table)."""
     store = ConfigStore.instance()
@@ -218,36 +204,9 @@ def register_configs() -> None:
         store.store(group="model", name=name, node=flavor(name))
 
 
-def compose_tree(config_name: str, overrides: list[str], register: Callable[[], None], job_name: str) -> DictConfig:
-    """`conf/<config_name>.yaml` composed with command-line overrides, once `register` has put its
-    schema in Hydra's store: the one composition of every command (train, eval, the data CLIs), so
-    each gives the same one-line errors, with the options of a group that has no such option."""
-    register()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=job_name):
-            return hydra_compose(config_name=config_name, overrides=overrides)
-    except MissingConfigException as error:
-        options = ", ".join(error.options or [])
-        raise ConfigError(f"{one_line(error)} (available: {options})" if options else one_line(error)) from None
-    except OverrideParseException as error:
-        raise ConfigError(f"{one_line(error)}: write key=value") from None
-    except (HydraException, OmegaConfBaseException, ValueError) as error:
-        raise ConfigError(one_line(error)) from None
-
-
 def compose(overrides: list[str]) -> DictConfig:
     """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema."""
     return compose_tree("config", overrides, register_configs, job_name="train")
-
-
-def validated(schema: type[T], cfg: DictConfig) -> T:
-    """The validated dataclass (runs every `__post_init__` check) of a composed config."""
-    try:
-        # Hydra lets `+key=value` add keys; merging onto the schema rejects those too.
-        plain = OmegaConf.to_container(cfg, resolve=False)
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
-    except (OmegaConfBaseException, ValueError, TypeError) as error:
-        raise ConfigError(one_line(error)) from None
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:

@@ -3,13 +3,16 @@
 `setup` checks everything that can be checked (run directory, resume rules, the metrics log,
 tokenizer) before the run writes a file, then builds model, engine, loader and validator, restores
 a resumed run, and writes `config.yaml` and `deepspeed.json`. `Trainer.train_step` is one optimizer
-step: `grad_accum` micro-batches of forward/backward through the DeepSpeed engine, then one small
-all-reduce (mean loss, non-finite flag, stop request).
+step: the step's `grad_accum` micro-batches fetched and their counted targets summed over ranks
+(one all-reduce of one number), their forward/backward through the DeepSpeed engine weighted by
+tokens (`backward_micro_batches`), then one small all-reduce (summed token losses, counted
+targets, non-finite flag, stop request).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -19,7 +22,6 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import build_loader
-from data.synthetic import split_block
 from data.tokenizer import get_tokenizer
 from model import GPT
 from train import checkpoint, resume
@@ -29,6 +31,7 @@ from train.config import ConfigError, TrainConfig
 from train.engine import build_engine, deepspeed_config, resolve_precision
 from train.faults import FaultInjector
 from train.flops import device_peak_flops, flops_per_token
+from train.inputs import counted_targets, model_inputs
 from train.load import TOKENIZER_FILE, fp32_state_dict
 from train.metrics import Reporter, Throughput, peak_memory_gb, records_up_to
 from train.restore import checkpoint_to_resume, plan_resume, restore
@@ -45,7 +48,7 @@ class NonFiniteLossError(Exception):
 
 @dataclass
 class StepOutcome:
-    loss: float  # mean over micro-batches and ranks
+    loss: float  # the global batch's token mean: summed token losses / counted targets, all ranks
     lr: float  # what this step's update used
     pre_step_norm: Optional[float]  # the gradient norm where DeepSpeed does not report one (ZeRO 0)
     stopping: bool  # a stop request reached some rank
@@ -75,24 +78,20 @@ class Trainer:
         return self.progress.step >= self.cfg.max_steps
 
     def train_step(self) -> StepOutcome:
+        """One optimizer step on the global batch's token-mean loss (see `backward_micro_batches`)."""
         cfg, engine, progress = self.cfg, self.engine, self.progress
         lr = engine.get_lr()[0]
         grad_accum = cfg.grad_accum(dist.world_size())
-        loss_sum, done, pre_step_norm = 0.0, 0, None
-        while done < grad_accum:
-            loss = self._micro_batch_loss()
-            if loss is None:
-                continue
-            engine.backward(loss)
-            if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
-                pre_step_norm = _grad_norm(engine.module)
-            engine.step()
-            loss_sum += loss.float().item()
-            done += 1
+        step = progress.step + 1
+        planned = [self._next_micro_batch(step) for _ in range(grad_accum)]
+        totals = backward_micro_batches(engine, self._micro_batches(step, planned),
+                                        loss_normaliser(planned, grad_accum), grad_accum,
+                                        kept=lambda loss: self._kept(step, loss))
+        engine.step()
         progress.step += 1
         progress.tokens += cfg.batch_size * cfg.model.max_seq_len
-        loss_total, nonfinite, stopping = dist.all_reduce(
-            [loss_sum / grad_accum, float(not np.isfinite(loss_sum)), float(self.stop.signum > 0)]
+        loss_sum, tokens, nonfinite, stopping = dist.all_reduce(
+            [totals.loss_sum, totals.tokens, float(not np.isfinite(totals.loss_sum)), float(self.stop.signum > 0)]
         )
         if nonfinite:
             raise NonFiniteLossError(
@@ -102,14 +101,22 @@ class Trainer:
                 "(lower optim.lr, or set nonfinite=skip to drop such batches)"
             )
         self.faults.after_step()
-        return StepOutcome(loss_total / dist.world_size(), lr, pre_step_norm, bool(stopping))
+        return StepOutcome(loss_sum / max(tokens, 1.0), lr, totals.pre_step_norm, bool(stopping))
 
-    def _micro_batch_loss(self) -> Optional[torch.Tensor]:
-        """The next micro-batch's loss, or None where `nonfinite=skip` drops it (on every rank)."""
-        step = self.progress.step + 1
+    def _next_micro_batch(self, step: int) -> dict[str, torch.Tensor]:
         batch = next(self.batches)
         self.faults.on_batch(step, batch)
-        loss = self.faults.poison(step, self.engine(*split_block(batch.to(self.engine.device))))
+        return model_inputs(batch, self.engine.device)
+
+    def _micro_batches(self, step: int, planned: list[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        """The step's planned micro-batches, then the loader's next ones (replacing skipped ones)."""
+        yield from planned
+        while True:
+            yield self._next_micro_batch(step)
+
+    def _kept(self, step: int, loss: torch.Tensor) -> Optional[torch.Tensor]:
+        """The micro-batch's loss to train on, or None where `nonfinite=skip` drops it (on every rank)."""
+        loss = self.faults.poison(step, loss)
         if self.cfg.nonfinite != "skip" or not dist.all_reduce([float(not torch.isfinite(loss))], op="max")[0]:
             self.consecutive_skips = 0
             return loss
@@ -158,6 +165,65 @@ def summary(trainer: Trainer, seconds: float) -> str:
     return (f"done: {progress.step} steps, {progress.tokens:,} tokens in {minutes}m{secs:02d}s{val}; "
             f"checkpoint {trainer.checkpointer.last_saved}\n"
             f"next: python -m eval run={cfg.run_dir}")
+
+
+@dataclass
+class MicroBatchTotals:
+    """What one rank trained on in a step: its kept micro-batches' summed token losses and counted
+    targets (the logged loss is their all-reduced ratio), and the ZeRO-0 gradient norm."""
+
+    loss_sum: float
+    tokens: int
+    pre_step_norm: Optional[float]
+
+
+def loss_normaliser(planned: Sequence[dict[str, torch.Tensor]], grad_accum: int) -> float:
+    """What each micro-batch's forward divides its summed token losses by: N / (grad_accum x world
+    size), N the global batch's counted targets (one all-reduce of one number, before any backward).
+
+    DeepSpeed 0.19.8's `engine.backward` divides the loss by `gradient_accumulation_steps`, and its
+    gradient reduction averages the ranks (ZeRO 0 `allreduce_bucket`, ZeRO 1-2 `average_tensor` /
+    `gradient_reduction_w_predivide`, ZeRO 3 `__avg_scatter_contiguous_grads`: a division by the
+    data-parallel world size, `gradient_predivide_factor` 1), so the step's gradient is that of
+    (sum of token losses over the global batch) / N whatever the micro-batch size, accumulation and
+    world size. A global batch with no counted target has loss and gradient 0 (N taken as 1)."""
+    local = float(sum(counted_targets(inputs) for inputs in planned))
+    (total,) = dist.all_reduce([local])
+    return max(total, 1.0) / (grad_accum * dist.world_size())
+
+
+def backward_micro_batches(
+    engine,
+    micro_batches: Iterator[dict[str, torch.Tensor]],
+    loss_tokens: float,
+    grad_accum: int,
+    kept: Callable[[torch.Tensor], Optional[torch.Tensor]] = lambda loss: loss,
+) -> MicroBatchTotals:
+    """Forward and backward of `grad_accum` micro-batches taken in order from `micro_batches`, each
+    one's summed token losses divided by `loss_tokens` (`loss_normaliser`), with `engine.step()` after
+    each backward but the last: the caller makes the last step, so the step's full gradient can be
+    read first (tests/test_token_weighted_loss.py does).
+
+    `kept` gives the loss to train on, or None to drop the micro-batch (`nonfinite=skip`, decided
+    on every rank alike); the next one from `micro_batches` takes its place. Such a step still
+    divides by the count planned before its first backward (the skipped micro-batch's counted
+    targets in, its replacement's out), since the earlier backwards used it: its gradient is the
+    token mean only up to that ratio; its logged loss divides by the count actually trained on."""
+    loss_sum, tokens, done, pre_step_norm = 0.0, 0, 0, None
+    while done < grad_accum:
+        inputs = next(micro_batches)
+        loss = kept(engine(**inputs, loss_tokens=loss_tokens))
+        if loss is None:
+            continue
+        engine.backward(loss)
+        if engine.is_gradient_accumulation_boundary() and engine.zero_optimization_stage() == 0:
+            pre_step_norm = _grad_norm(engine.module)
+        done += 1
+        if done < grad_accum:
+            engine.step()
+        loss_sum += loss.float().item() * loss_tokens
+        tokens += int(counted_targets(inputs))
+    return MicroBatchTotals(loss_sum, tokens, pre_step_norm)
 
 
 def _grad_norm(model: torch.nn.Module) -> float:

@@ -1,4 +1,5 @@
-"""Periodic validation: a fixed set of val-split batches, its loss a token mean over all ranks."""
+"""Periodic validation: a fixed set of val-split batches, its loss a token mean over all ranks
+(summed token losses / counted targets, like the training loss)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from itertools import islice
 import torch
 
 from data.loader import build_loader
-from data.synthetic import split_block
 from train import distributed as dist
 from train.config import ConfigError, TrainConfig
+from train.inputs import counted_targets, model_inputs
 
 
 def val_batches(cfg: TrainConfig, tokenizer) -> list[torch.Tensor]:
@@ -27,15 +28,14 @@ def val_batches(cfg: TrainConfig, tokenizer) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def evaluate(engine, batches: list[torch.Tensor]) -> float:
-    """Mean validation loss per token over all ranks."""
+    """Mean validation loss per token over all ranks: every batch's summed token losses
+    (`loss_tokens=1`), over all batches and ranks, divided by their counted targets."""
     engine.eval()
     loss_sum, tokens = 0.0, 0
     for batch in batches:
-        inputs, targets = split_block(batch.to(engine.device))
-        loss = engine(inputs, targets)
-        counted = int((targets != -100).sum())
-        loss_sum += loss.float().item() * counted
-        tokens += counted
+        inputs = model_inputs(batch, engine.device)
+        loss_sum += engine(**inputs, loss_tokens=1.0).item()
+        tokens += int(counted_targets(inputs))
     engine.train()
     total, count = dist.all_reduce([loss_sum, tokens])
     return total / count

@@ -4,16 +4,27 @@ document id, say) is added once."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from data.synthetic import split_block
+from data.synthetic import document_ids, split_block
 
 
-def model_inputs(batch: torch.Tensor, device: torch.device | str) -> dict[str, torch.Tensor]:
+def model_inputs(batch: torch.Tensor, device: torch.device | str,
+                 documents_eos: Optional[int] = None) -> dict[str, torch.Tensor]:
     """`GPT.forward`'s keyword arguments for a loader batch, on `device`: `idx` and `targets`
-    (-100 where a synthetic row's token is input only, `data.synthetic.split_block`)."""
+    (-100 where a synthetic row's token is input only, `data.synthetic.split_block`); with
+    `documents_eos` (document masking on: the tokenizer's EOS), each token's `documents` id too."""
     idx, targets = split_block(batch.to(device))
-    return {"idx": idx, "targets": targets}
+    if documents_eos is None:
+        return {"idx": idx, "targets": targets}
+    return {"idx": idx, "targets": targets, "documents": document_ids(idx, documents_eos)}
+
+
+def documents_eos(cfg, tokenizer) -> Optional[int]:
+    """The EOS id whose count numbers the documents of a row where `model.doc_mask` is on, else None."""
+    return tokenizer.eos_id if cfg.model.doc_mask else None
 
 
 def counted_targets(inputs: dict[str, torch.Tensor]) -> torch.Tensor:

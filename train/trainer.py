@@ -31,7 +31,7 @@ from train.config import ConfigError, TrainConfig
 from train.engine import build_engine, deepspeed_config, resolve_precision
 from train.faults import FaultInjector
 from train.flops import device_peak_flops, flops_per_token
-from train.inputs import counted_targets, model_inputs
+from train.inputs import counted_targets, documents_eos, model_inputs
 from train.load import TOKENIZER_FILE, fp32_state_dict
 from train.metrics import Reporter, Throughput, peak_memory_gb, records_up_to
 from train.restore import checkpoint_to_resume, plan_resume, restore
@@ -66,6 +66,7 @@ class Trainer:
     throughput: Throughput
     faults: FaultInjector
     stop: StopRequest
+    eos: Optional[int] = None  # document masking: the EOS that numbers a row's documents
     consecutive_skips: int = 0
     val_loss: Optional[float] = None  # the newest validation loss
     batches: Any = field(init=False)
@@ -106,7 +107,7 @@ class Trainer:
     def _next_micro_batch(self, step: int) -> dict[str, torch.Tensor]:
         batch = next(self.batches)
         self.faults.on_batch(step, batch)
-        return model_inputs(batch, self.engine.device)
+        return model_inputs(batch, self.engine.device, self.eos)
 
     def _micro_batches(self, step: int, planned: list[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
         """The step's planned micro-batches, then the loader's next ones (replacing skipped ones)."""
@@ -319,4 +320,5 @@ def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
     peak = device_peak_flops(resolve_precision(cfg.deepspeed.precision), cfg.logger.peak_flops)
     throughput = Throughput(progress.tokens, flops_per_token(cfg.model, cfg.model.max_seq_len), peak,
                             dist.world_size())
-    return Trainer(cfg, engine, loader, progress, validator, checkpointer, reporter, throughput, faults, stop)
+    return Trainer(cfg, engine, loader, progress, validator, checkpointer, reporter, throughput, faults, stop,
+                   documents_eos(cfg, checked.tokenizer))

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from itertools import islice
+from typing import Optional
 
 import torch
 
 from data.loader import build_loader
 from train import distributed as dist
 from train.config import ConfigError, TrainConfig
-from train.inputs import counted_targets, model_inputs
+from train.inputs import counted_targets, documents_eos, model_inputs
 
 
 def val_batches(cfg: TrainConfig, tokenizer) -> list[torch.Tensor]:
@@ -27,13 +28,14 @@ def val_batches(cfg: TrainConfig, tokenizer) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(engine, batches: list[torch.Tensor]) -> float:
+def evaluate(engine, batches: list[torch.Tensor], eos: Optional[int] = None) -> float:
     """Mean validation loss per token over all ranks: every batch's summed token losses
-    (`loss_tokens=1`), over all batches and ranks, divided by their counted targets."""
+    (`loss_tokens=1`), over all batches and ranks, divided by their counted targets. `eos`: see
+    `train.inputs.model_inputs` (document masking)."""
     engine.eval()
     loss_sum, tokens = 0.0, 0
     for batch in batches:
-        inputs = model_inputs(batch, engine.device)
+        inputs = model_inputs(batch, engine.device, eos)
         loss_sum += engine(**inputs, loss_tokens=1.0).item()
         tokens += int(counted_targets(inputs))
     engine.train()
@@ -47,9 +49,10 @@ class Validator:
     def __init__(self, cfg: TrainConfig, tokenizer):
         self.every, self.last = cfg.eval_every, cfg.max_steps
         self.batches = val_batches(cfg, tokenizer)
+        self.eos = documents_eos(cfg, tokenizer)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.last
 
     def __call__(self, engine) -> float:
-        return evaluate(engine, self.batches)
+        return evaluate(engine, self.batches, self.eos)

@@ -1,0 +1,89 @@
+"""Carry a trained model's weights into another attention: the CoCA drop-in, and Origin to ALiBi.
+
+The attentions share every parameter shape: CoCA's T projection takes K's place (the same rows
+of NeoX's fused `qkv`, the same `attn.k` of Llama), and ALiBi uses K as it is. So a conversion
+keeps every tensor and decides only what T starts from:
+
+    origin -> coca (slack | strict)   embeddings, norms, Q, V, output projection, MLP, LM head kept;
+                                      T = K (`t_init: from_k`) or drawn afresh as the model's
+                                      initialisation draws K (`t_init: fresh`, what the released
+                                      code gets through `ignore_mismatched_sizes`)
+    origin -> alibi                   everything kept; the rotary embedding is simply not applied
+
+Why T = K is a sensible start: CoCA scores q_m . (q_m * t_n) rotated, with t tied per rotary pair
+and non-negative, so K's weights give T the keys' scale and the same per-head input features;
+`fresh` tests whether that matters. A source without RoPE (ALiBi) has no rotary features for
+CoCA to build on, and CoCA's T is not a key: those conversions are refused, as is any change of
+shape (they must be equal apart from the attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .config import ModelConfig
+
+T_INITS = ("from_k", "fresh")
+
+
+class ConversionError(ValueError):
+    """A conversion that cannot make sense; one line that says why."""
+
+
+@dataclass
+class Conversion:
+    """What a conversion did: tensor names carried bitwise, and those (or slices) drawn afresh."""
+
+    carried: list[str]
+    fresh: list[str]
+
+    def describe(self) -> str:
+        fresh = f"; drawn afresh: {', '.join(self.fresh)}" if self.fresh else ""
+        return f"{len(self.carried)} tensors carried{fresh}"
+
+
+def check_conversion(source: ModelConfig, target: ModelConfig, t_init: str = "from_k") -> None:
+    """Refuse, in one line, a conversion that cannot make sense."""
+    if t_init not in T_INITS:
+        raise ConversionError(f"t_init={t_init!r} is not one of {', '.join(T_INITS)}")
+    if source.attention == target.attention:
+        return
+    if source.attention != "origin":
+        raise ConversionError(
+            f"cannot convert attention={source.attention} into attention={target.attention}: only Origin (RoPE) "
+            "models convert (to coca: its T starts from K; to alibi: K is kept)")
+    unchanged = replace(target, attention=source.attention, coca_form=source.coca_form)
+    for name in ("arch", "vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "kv_heads", "tie_embeddings",
+                 "parallel_residual", "rotary_pct"):
+        if getattr(unchanged, name) != getattr(source, name):
+            raise ConversionError(f"a conversion keeps the shape: the source has model.{name}="
+                                  f"{getattr(source, name)}, the target {getattr(unchanged, name)}")
+
+
+def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig, t_init: str = "from_k",
+            seed: int = 0) -> tuple[dict[str, torch.Tensor], Conversion]:
+    """`state` (the source model's) as the target attention's state dict, and what was carried."""
+    check_conversion(source, target, t_init)
+    out = {name: tensor.clone() for name, tensor in state.items()}
+    if source.attention == target.attention or target.attention != "coca" or t_init == "from_k":
+        return out, Conversion(carried=sorted(out), fresh=[])
+    generator = torch.Generator().manual_seed(seed)
+    fresh = []
+    for layer in range(target.n_layer):
+        prefix = f"h.{layer}.attn"
+        if target.arch == "neox":  # the K rows of each head's [q, k, v] block of the fused projection
+            weight = out[f"{prefix}.qkv.weight"].view(target.n_head, 3, target.head_dim, -1)
+            weight[:, 1] = _normal(weight[:, 1], target.init_std, generator)
+            out[f"{prefix}.qkv.bias"].view(target.n_head, 3, target.head_dim)[:, 1] = 0.0
+            fresh.append(f"{prefix}.qkv (K rows)")
+        else:
+            out[f"{prefix}.k.weight"] = _normal(out[f"{prefix}.k.weight"], target.init_std, generator)
+            fresh.append(f"{prefix}.k.weight")
+    carried = [name for name in sorted(out) if not any(name.startswith(f.split(" ")[0]) for f in fresh)]
+    return out, Conversion(carried=carried, fresh=fresh)
+
+
+def _normal(like: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
+    return (torch.randn(like.shape, generator=generator, dtype=torch.float32) * std).to(like.dtype)

@@ -177,6 +177,23 @@ def test_document_masking_trains_changes_the_loss_and_resumes_bitwise(cache, tmp
     assert blocks(resumed) == blocks(masked)
 
 
+def test_training_with_a_rope_scaling_is_saved_used_and_resumes_bitwise(reference, cache, tmp_path):
+    """`model.rope_scaling` at training time (YaRN here, with its attention temperature): the
+    forward is the scaled one from the first step, the run's config and the loaded model carry
+    the scaling (the default of eval, generate and export), and a killed run resumes bit for bit."""
+    scaled = ("model.rope_scaling.type=yarn", "model.rope_scaling.factor=4")
+    full = tmp_path / "full"
+    ok(train(full, cache, *scaled))
+    assert losses(full)[1] != losses(reference)[1]
+    model, cfg, _ = load_model(str(full))
+    assert (cfg.model.rope_scaling.type, cfg.model.rope_scaling.factor) == ("yarn", 4.0)
+    assert model.rope.scaling.type == "yarn" and model.rope.base_at(32) == model.rope.base
+    resumed = tmp_path / "resumed"
+    assert train(resumed, cache, *scaled, "debug.kill_in_checkpoint_at_step=15").returncode == -signal.SIGKILL
+    ok(train(resumed, cache, *scaled, "resume=auto"))
+    assert losses(resumed) == losses(full) and val_losses(resumed) == val_losses(full)
+
+
 def test_sigterm_saves_then_exits(cache, tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, cache, "debug.step_sleep_s=0.2", "ckpt_every=100")

@@ -33,17 +33,23 @@ class RopeScaling:
           dynamic (NTK base recomputed for the length actually processed) | yarn.
     factor: the stretch factor (>= 1).
     beta_fast, beta_slow: YaRN's correction range in rotations (used only by `yarn`).
+    original_max_seq_len: the length the scaling stretches from, YaRN's and dynamic NTK's L0
+      (None: `model.max_seq_len`). Set it to the pretraining length when a model continues
+      training at a longer one with a scaling (HF's `original_max_position_embeddings`).
     """
 
     type: str = "none"
     factor: float = 1.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    original_max_seq_len: Optional[int] = None
 
     def __post_init__(self) -> None:
         _one_of("model.rope_scaling.type", self.type, ROPE_SCALINGS)
         if not self.factor >= 1.0:
             raise ValueError(f"model.rope_scaling.factor={self.factor!r} must be >= 1.0")
+        if self.original_max_seq_len is not None:
+            _positive("model.rope_scaling.original_max_seq_len", self.original_max_seq_len)
         if not self.beta_fast > self.beta_slow > 0:
             raise ValueError(
                 f"model.rope_scaling.beta_fast={self.beta_fast!r}, beta_slow={self.beta_slow!r}: "
@@ -78,7 +84,8 @@ class ModelConfig:
     n_kv_head: key/value heads (llama only), dividing n_head; null: n_head (multi-head attention),
           1: multi-query attention. Query head h uses kv head h // (n_head / n_kv_head).
     attention: origin (RoPE) | alibi | coca; coca_form: slack (released code) | strict (Eq. 9).
-    max_seq_len: the training length L0 (dynamic NTK and YaRN scale relative to it).
+    max_seq_len: the training length (dynamic NTK and YaRN scale relative to it, or to
+      `rope_scaling.original_max_seq_len` when set).
     rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
     doc_mask: within a packed row, a token attends only to earlier tokens of its own document.
     doc_positions: with doc_mask, positions restart at 0 at each document's first token.

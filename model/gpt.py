@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
-from .config import ModelConfig, RopeScaling
+from .config import ModelConfig
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
 from .sampling import check_sampling, next_token
@@ -127,7 +127,8 @@ class GPT(nn.Module):
         self.rope = (
             None
             if cfg.attention == "alibi"
-            else Rope(cfg.rotary_dims, cfg.rope_base, cfg.max_seq_len, cfg.rope_scaling)
+            else Rope(cfg.rotary_dims, cfg.rope_base, cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len,
+                      cfg.rope_scaling)
         )
         self.apply(self._init_weights)
 
@@ -230,7 +231,7 @@ class GPT(nn.Module):
     def set_rope_scaling(self, type: str, factor: float) -> None:
         """Switch RoPE scaling on a trained model (weights are unchanged)."""
         old = self.cfg.rope_scaling
-        scaling = RopeScaling(type=type, factor=factor, beta_fast=old.beta_fast, beta_slow=old.beta_slow)
+        scaling = replace(old, type=type, factor=factor)  # YaRN's betas and the original length stay
         self.cfg = replace(self.cfg, rope_scaling=scaling)  # re-validates (e.g. ALiBi + scaling)
         if self.rope is not None:
             self.rope.scaling = scaling

@@ -250,3 +250,19 @@ def test_set_rope_scaling_changes_long_logits_only(arch):
         torch.testing.assert_close(model(idx), before, rtol=0, atol=0)
     torch.testing.assert_close(after[:, :1], before[:, :1])  # position 0 is never rotated
     assert (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["yarn", "dynamic"])
+def test_a_scaling_stretches_from_its_original_length(kind):
+    """A model continued at 1024 tokens from a 256-token one: YaRN's ramp and dynamic NTK's base
+    are those of the pretraining length (`original_max_seq_len`), not of the new one."""
+    scaling = RopeScaling(kind, 4.0, original_max_seq_len=256)
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, ffn_hidden=64, max_seq_len=1024, rope_scaling=scaling))
+    r = model.cfg.rotary_dims
+    for length in (512, 2048):
+        got = model.rope.inv_freq(length)
+        torch.testing.assert_close(got[0], Rope(r, 10000.0, 256, scaling).inv_freq(length)[0], rtol=0, atol=0)
+        assert got[1] == Rope(r, 10000.0, 256, scaling).inv_freq(length)[1]
+    assert not torch.equal(model.rope.inv_freq(2048)[0], Rope(r, 10000.0, 1024, scaling).inv_freq(2048)[0])
+    model.set_rope_scaling("linear", 2.0)
+    assert model.cfg.rope_scaling.original_max_seq_len == 256  # switching the type keeps it

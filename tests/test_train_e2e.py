@@ -194,6 +194,34 @@ def test_training_with_a_rope_scaling_is_saved_used_and_resumes_bitwise(referenc
     assert losses(resumed) == losses(full) and val_losses(resumed) == val_losses(full)
 
 
+def test_a_run_continued_at_a_longer_length_carries_the_weights_and_restarts_the_rest(reference, cache, tmp_path):
+    """`init_from` a 32-token run, at 64 tokens with YaRN stretching from 32: the first step's loss is
+    the source model's on that step's 64-token blocks under the scaling (the weights are carried),
+    the schedule warms up again from step 1, the optimizer starts empty (Adam's step count is the
+    new run's), and every block holds the new length."""
+    import json
+
+    run_dir = tmp_path / "continued"
+    ok(train(run_dir, cache, f"init_from={reference}", "model.max_seq_len=64", "model.rope_scaling.type=yarn",
+             "model.rope_scaling.factor=2", "model.rope_scaling.original_max_seq_len=32", "max_steps=5",
+             "optim.warmup_steps=3", "eval_every=5", "ckpt_every=5"))
+    first = json.loads(blocks(run_dir)[0])
+    batch = torch.tensor(first["tokens"])
+    assert first["step"] == 1 and batch.shape == (4, 65)
+    source, _, _ = load_model(str(reference))
+    source.set_rope_scaling("yarn", 2.0)  # its training length, 32, is the scaling's original length
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    with torch.no_grad():
+        expected = source(inputs, targets).item()
+    assert losses(run_dir)[1] == pytest.approx(expected, rel=1e-5)
+    train_records = [r for r in records(run_dir) if "loss" in r]
+    config = to_train_config(OmegaConf.load(run_dir / "config.yaml"))
+    assert [r["lr"] for r in train_records[:3]] == pytest.approx([lr_at(s, config.optim, 5) for s in range(3)])
+    assert train_records[0]["lr"] < train_records[2]["lr"] and train_records[-1]["tokens_seen"] == 5 * 4 * 64
+    state = torch.load(run_dir / "checkpoints" / "step_00000005" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {5.0}
+
+
 def test_sigterm_saves_then_exits(cache, tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, cache, "debug.step_sleep_s=0.2", "ckpt_every=100")

@@ -238,3 +238,19 @@ def test_read_only_run_dir_and_parent_are_one_line(tmp_path):
         f"run_dir='{locked / 'run'}': {locked / 'run'} is not writable: give run_dir a writable directory",
         f"run_dir='{locked / 'new' / 'run'}': {locked} is not writable: give run_dir a writable directory",
     ]
+
+
+@pytest.mark.parametrize("preset, base, scaling", [("extend_pi", 10000.0, ("linear", 4.0, 256)),
+                                                   ("extend_yarn", 10000.0, ("yarn", 4.0, 256)),
+                                                   ("extend_abf", 500000.0, ("none", 1.0, None))])
+def test_extension_presets_continue_the_study_model_at_1024(preset, base, scaling):
+    """The extend_* presets: the study model's shape at 1024 tokens, one RoPE recipe each, the
+    study's tokens per step, a short re-warmup."""
+    study, cfg = _cfg("experiment=study_origin"), _cfg(f"experiment={preset}")
+    s = cfg.model.rope_scaling
+    assert (cfg.model.max_seq_len, cfg.model.rope_base) == (1024, base)
+    assert (s.type, s.factor, s.original_max_seq_len) == scaling
+    for field in ("n_layer", "n_head", "n_embd", "ffn_hidden", "tie_embeddings", "attention"):
+        assert getattr(cfg.model, field) == getattr(study.model, field)
+    assert cfg.batch_size * cfg.model.max_seq_len == study.batch_size * study.model.max_seq_len
+    assert cfg.optim.warmup_steps < cfg.max_steps < study.max_steps and cfg.data.sources == study.data.sources

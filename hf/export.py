@@ -1,23 +1,28 @@
 """Write a trained model as a self-contained Hugging Face model directory (`export_hf`).
 
-The directory holds `config.json`, `model.safetensors` (our parameters under GPT-NeoX's names,
-`hf.names`), `generation_config.json`, the SentencePiece model as a `tokenizer.json` that
-`AutoTokenizer` loads (standard `PreTrainedTokenizerFast`, same ids as `data.tokenizer.Tokenizer`),
-and the marker `coca_lm_export.json` listing these files.
+The directory holds `config.json`, `model.safetensors` (our parameters under GPT-NeoX's names for
+arch=neox, Llama's for arch=llama: `hf.names`), `generation_config.json`, the SentencePiece model as
+a `tokenizer.json` that `AutoTokenizer` loads (standard `PreTrainedTokenizerFast`, same ids as
+`data.tokenizer.Tokenizer`), and the marker `coca_lm_export.json` listing these files.
 
-- origin: a plain `GPTNeoXForCausalLM` (no custom code).
+- origin: a plain `GPTNeoXForCausalLM` (arch=neox) or `LlamaForCausalLM` (arch=llama: grouped-query
+  attention, tied or untied embeddings), no custom code.
 - alibi, coca slack, coca strict: also `modeling_coca_lm.py` (beside this file) and `transforms.py`
   (a copy of `model/transforms.py`, the math the modeling file imports as `.transforms`), named in
-  `auto_map`; load with `trust_remote_code=True`. Both import only torch (and transformers).
+  `auto_map` (`CocaLMForCausalLM`, either architecture: `arch` in the config); load with
+  `trust_remote_code=True`. Both import only torch (and transformers).
 
 `out` must be new, empty, or (to replace it, with `overwrite`) a previous export holding only what
 the marker lists (`check_out`); the export is written into a temporary sibling and renamed in, so
 a failure leaves the previous export or nothing. What a run or a checkpoint looks like is train's
 knowledge: `python -m train.export_hf` refuses those places before calling this.
 
-RoPE scalings map onto transformers' `rope_parameters`: none -> default, linear -> linear,
-dynamic -> dynamic, yarn -> yarn (`original_max_position_embeddings` = training length), ntk (a
-static base) -> default with `rope_theta` = the scaled base.
+RoPE scalings map onto transformers' `rope_parameters`, the same for both architectures: none ->
+default, linear -> linear, dynamic -> dynamic, yarn -> yarn, ntk (a static base) -> default with
+`rope_theta` = the scaled base (Llama's rotary is always full: no `partial_rotary_factor`). The
+length YaRN and dynamic NTK scale from (the training length, or `rope_scaling.original_max_seq_len`
+when set) goes where transformers reads it: yarn's `original_max_position_embeddings`, and under
+dynamic `max_position_embeddings` (otherwise the training length).
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ class ExportError(Exception):
 def rope_parameters(m: ModelConfig) -> dict:
     """transformers' `rope_parameters` for our RoPE settings (see the module docstring)."""
     s = m.rope_scaling
-    params = {"rope_type": "default", "rope_theta": float(m.rope_base), "partial_rotary_factor": float(m.rotary_pct)}
+    params = {"rope_type": "default", "rope_theta": float(m.rope_base)}
+    if m.arch == "neox":
+        params["partial_rotary_factor"] = float(m.rotary_pct)
     if s.type == "ntk":
         rope = transforms.Rope(m.rotary_dims, m.rope_base, m.max_seq_len, s)
         params["rope_theta"] = rope.base_at(m.max_seq_len)
@@ -55,30 +62,50 @@ def rope_parameters(m: ModelConfig) -> dict:
         params.update(rope_type=s.type, factor=float(s.factor))
     elif s.type == "yarn":
         params.update(rope_type="yarn", factor=float(s.factor), beta_fast=float(s.beta_fast),
-                      beta_slow=float(s.beta_slow), original_max_position_embeddings=m.max_seq_len)
+                      beta_slow=float(s.beta_slow),
+                      original_max_position_embeddings=s.original_max_seq_len or m.max_seq_len)
     return params
 
 
+def max_position_embeddings(m: ModelConfig) -> int:
+    """The training length; under dynamic NTK the length it scales from (`rope_scaling.
+    original_max_seq_len` when set), which transformers' dynamic NTK reads from this field."""
+    s = m.rope_scaling
+    return (s.original_max_seq_len or m.max_seq_len) if s.type == "dynamic" else m.max_seq_len
+
+
+def _architecture(m: ModelConfig) -> dict:
+    """The fields of GPT-NeoX's layout, or of Llama's (grouped-query attention, no biases)."""
+    if m.arch == "llama":
+        return {"num_key_value_heads": m.kv_heads, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+    return {"hidden_act": "gelu", "attention_bias": True}
+
+
 def hf_config(m: ModelConfig, tokenizer: Tokenizer) -> dict:
-    """config.json: GPT-NeoX fields; the custom models add `attention`, `coca_form` and `auto_map`."""
+    """config.json: for Origin a plain GPT-NeoX or Llama config (`m.arch`), with the pre-5.0 names
+    of the RoPE fields too, for older transformers; for the others a `coca_lm` config, which adds
+    `arch`, `attention`, `coca_form` and the `auto_map` naming the remote code."""
     config = {
         "vocab_size": m.vocab_size, "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
-        "num_attention_heads": m.n_head, "intermediate_size": m.ffn_hidden, "hidden_act": "gelu",
-        "max_position_embeddings": m.max_seq_len, "layer_norm_eps": m.layernorm_eps,
-        "use_parallel_residual": m.parallel_residual, "tie_word_embeddings": m.tie_embeddings,
-        "attention_bias": True, "initializer_range": m.init_std, "use_cache": True, "torch_dtype": "float32",
+        "num_attention_heads": m.n_head, "intermediate_size": m.ffn_hidden, **_architecture(m),
+        "max_position_embeddings": max_position_embeddings(m), "tie_word_embeddings": m.tie_embeddings,
+        "initializer_range": m.init_std, "use_cache": True, "torch_dtype": "float32",
         "bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
         "rope_parameters": rope_parameters(m),
     }
-    if m.attention == "origin":  # + the pre-5.0 names of the RoPE fields, for older transformers
-        rope = config["rope_parameters"]
-        legacy = {"rotary_pct": m.rotary_pct, "rotary_emb_base": rope["rope_theta"],
-                  "rope_scaling": rope if rope["rope_type"] != "default" else None}
-        return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **config, **legacy}
+    rope = config["rope_parameters"]
+    scaling = rope if rope["rope_type"] != "default" else None
+    if m.attention == "origin" and m.arch == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
+                "rms_norm_eps": m.layernorm_eps, "rope_theta": rope["rope_theta"], "rope_scaling": scaling}
+    block = {"layer_norm_eps": m.layernorm_eps, "use_parallel_residual": m.parallel_residual}  # coca_lm's too
+    if m.attention == "origin":
+        return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **config, **block,
+                "rotary_pct": m.rotary_pct, "rotary_emb_base": rope["rope_theta"], "rope_scaling": scaling}
     if m.attention == "alibi":
         del config["rope_parameters"]
-    return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "attention": m.attention,
-            "coca_form": m.coca_form, **config,
+    return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
+            "attention": m.attention, "coca_form": m.coca_form, **config, **block,
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
 

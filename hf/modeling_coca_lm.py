@@ -10,10 +10,19 @@ needs neither this project nor its config tree:
     coca slack   q_eff = q * rope(q, m)              k_eff = rope(t, n)
     coca strict  q_eff = rope([|q_j|^2, 0], m)       k_eff = rope([t_j, 0], n)
 
-with CoCA's t the K projection tied per rotary pair and ReLU'd. Attention runs on
-`scaled_dot_product_attention` (ALiBi: over chunks of query rows with an additive bias, so memory
-stays linear in the length). The KV cache holds k_eff and v; under dynamic NTK, `generate` rebuilds
-it when the base changes (every cached key depends on the base), as coca-lm's own `generate` does.
+with CoCA's t the K projection tied per rotary pair and ReLU'd. The decoder has either of coca-lm's
+architectures (`config.arch`), laid out and named as its Hugging Face counterpart (GPTNeoXForCausalLM,
+LlamaForCausalLM), so an export's weights carry GPT-NeoX's or Llama's names:
+
+    arch   norm       mlp                             attention projections
+    neox   LayerNorm  gelu MLP, biases                fused per-head qkv, biases
+    llama  RMSNorm    SwiGLU: down(silu(gate) * up)   q, k, v, o; k and v of num_key_value_heads heads
+
+(grouped-query attention: query head h uses key/value head h // (heads / kv heads), as Llama's).
+Attention runs on `scaled_dot_product_attention` (ALiBi: over chunks of query rows with an additive
+bias, so memory stays linear in the length). The KV cache holds k_eff and v; under dynamic NTK,
+`generate` rebuilds it when the base changes (every cached key depends on the base), as coca-lm's
+own `generate` does.
 """
 
 from __future__ import annotations
@@ -40,11 +49,14 @@ _CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithP
 
 
 class CocaLMConfig(PreTrainedConfig):
-    """A coca-lm decoder: GPT-NeoX layout (fused per-head qkv, parallel residual, exact GELU).
+    """A coca-lm decoder of either architecture (module docstring).
 
-    attention: alibi | coca; coca_form: slack | strict. max_position_embeddings is the training
-    length L0. rope_parameters (CoCA only): rope_type default | linear | dynamic | yarn, rope_theta,
-    partial_rotary_factor, factor, and for yarn beta_fast, beta_slow.
+    arch: neox (GPT-NeoX: biases, exact GELU, parallel residual by default) | llama (RMSNorm, SwiGLU,
+    grouped-query attention with num_key_value_heads heads, no biases). layer_norm_eps is every
+    norm's eps. attention: alibi | coca; coca_form: slack | strict. max_position_embeddings is the
+    training length L0, which dynamic NTK scales from. rope_parameters (CoCA only): rope_type
+    default | linear | dynamic | yarn, rope_theta, partial_rotary_factor, factor, and for yarn
+    beta_fast, beta_slow and original_max_position_embeddings (the length it scales from; else L0).
     """
 
     model_type = "coca_lm"
@@ -56,6 +68,8 @@ class CocaLMConfig(PreTrainedConfig):
         num_hidden_layers: int = 4,
         num_attention_heads: int = 4,
         intermediate_size: int = 1024,
+        arch: str = "neox",
+        num_key_value_heads: int | None = None,
         max_position_embeddings: int = 128,
         layer_norm_eps: float = 1e-5,
         use_parallel_residual: bool = True,
@@ -68,11 +82,17 @@ class CocaLMConfig(PreTrainedConfig):
     ):
         if attention not in ("alibi", "coca") or coca_form not in ("slack", "strict"):
             raise ValueError(f"attention={attention!r}, coca_form={coca_form!r}: need alibi|coca and slack|strict")
+        kv_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        if arch not in LAYOUT or num_attention_heads % kv_heads or (arch == "neox" and kv_heads != num_attention_heads):
+            raise ValueError(f"arch={arch!r}, num_key_value_heads={num_key_value_heads!r}: need neox|llama, and "
+                             "key/value heads dividing num_attention_heads (neox: as many as query heads)")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.intermediate_size = intermediate_size
+        self.arch = arch
+        self.num_key_value_heads = kv_heads
         self.max_position_embeddings = max_position_embeddings
         self.layer_norm_eps = layer_norm_eps
         self.use_parallel_residual = use_parallel_residual
@@ -85,6 +105,8 @@ class CocaLMConfig(PreTrainedConfig):
 
 
 UNSCALED = {"rope_type": "default", "rope_theta": 10000.0}
+# arch -> where its Hugging Face model keeps the decoder and the embedding (the weights' names).
+LAYOUT = {"neox": ("gpt_neox", "embed_in"), "llama": ("model", "embed_tokens")}
 
 
 def check_rope_parameters(config: CocaLMConfig) -> None:
@@ -113,7 +135,8 @@ class RopeScaling:
 
 def rope_from_config(config: CocaLMConfig) -> Rope:
     """RoPE under `config.rope_parameters` (rope_type default is our none; a static NTK base is
-    exported as default with the scaled `rope_theta`)."""
+    exported as default with the scaled `rope_theta`), scaled from `original_max_position_embeddings`
+    (yarn) or else `max_position_embeddings`, as transformers' own models do."""
     p = config.rope_parameters
     kind = p.get("rope_type", "default")
     if kind not in ("default", "linear", "dynamic", "yarn"):
@@ -122,24 +145,29 @@ def rope_from_config(config: CocaLMConfig) -> Rope:
                           float(p.get("beta_fast") or 32.0), float(p.get("beta_slow") or 1.0))
     head_dim = config.hidden_size // config.num_attention_heads
     return Rope(int(head_dim * p.get("partial_rotary_factor", 1.0)), float(p.get("rope_theta", 10000.0)),
-                config.max_position_embeddings, scaling)
+                p.get("original_max_position_embeddings") or config.max_position_embeddings, scaling)
 
 
 # ---- attention -------------------------------------------------------------------------------------
 
 
+def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether k/v have fewer heads than q (grouped-query attention): SDPA's `enable_gqa`."""
+    return k.shape[1] != q.shape[1]
+
+
 def causal_sdpa(q, k, v, key_mask: torch.Tensor | None) -> torch.Tensor:
     """Causal SDPA, query i at position Tk - Tq + i; key_mask [B, Tk] bool drops padded keys."""
-    tq, tk = q.shape[-2], k.shape[-2]
+    tq, tk, gqa = q.shape[-2], k.shape[-2], _gqa(q, k)
     if key_mask is None:
         if tq == tk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if tq == 1:
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
     if key_mask is not None:
         mask = _with_keys(mask, key_mask, tk - tq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def _with_keys(mask: torch.Tensor, key_mask: torch.Tensor, first: int) -> torch.Tensor:
@@ -167,11 +195,15 @@ def alibi_sdpa(q, k, v, key_mask: torch.Tensor | None) -> torch.Tensor:
             allowed = _with_keys(allowed, key_mask[:, : offset + end], offset + start)
         bias = alibi_bias(slopes, m, n, allowed, q.dtype)
         out.append(F.scaled_dot_product_attention(q[..., start:end, :], k[..., : offset + end, :],
-                                                  v[..., : offset + end, :], attn_mask=bias))
+                                                  v[..., : offset + end, :], attn_mask=bias, enable_gqa=_gqa(q, k)))
     return torch.cat(out, dim=-2)
 
 
 class CocaLMAttention(nn.Module):
+    """The projections of GPT-NeoX (`query_key_value`, fused per head, and `dense`, with biases) or
+    of Llama (`q_proj`; `k_proj`, CoCA's T, and `v_proj` of num_key_value_heads heads; `o_proj`;
+    no biases), then the variant's q/k transform, the cache and the kernel."""
+
     def __init__(self, config: CocaLMConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -180,22 +212,52 @@ class CocaLMAttention(nn.Module):
         self.attention, self.form = config.attention, config.coca_form
         p = config.rope_parameters
         self.rotary_dims = int(self.head_dim * p.get("partial_rotary_factor", 1.0))
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.fused = config.arch == "neox"
+        width = config.hidden_size
+        if self.fused:
+            self.query_key_value = nn.Linear(width, 3 * width)
+            self.dense = nn.Linear(width, width)
+        else:
+            kv = config.num_key_value_heads * self.head_dim
+            self.q_proj = nn.Linear(width, width, bias=False)
+            self.k_proj = nn.Linear(width, kv, bias=False)
+            self.v_proj = nn.Linear(width, kv, bias=False)
+            self.o_proj = nn.Linear(width, width, bias=False)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, H, T, D]; k (CoCA's t) and v [B, num_key_value_heads, T, D]."""
+        B, T, _ = x.shape
+        if self.fused:
+            return self.query_key_value(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        return tuple(proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+                     for proj in (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x, rope, cache: Cache | None, key_mask: torch.Tensor | None) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.query_key_value(x).view(B, T, self.n_head, 3, self.head_dim).transpose(1, 2).unbind(dim=3)
+        q, k, v = self.heads(x)
         if self.attention == "coca":
             t = coca_tie(k, self.rotary_dims)
             q, k = (coca_slack_qk if self.form == "slack" else coca_strict_qk)(q, t, rope)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         y = alibi_sdpa(q, k, v, key_mask) if self.attention == "alibi" else causal_sdpa(q, k, v, key_mask)
-        return self.dense(y.transpose(1, 2).reshape(B, T, C))
+        out = self.dense if self.fused else self.o_proj
+        return out(y.transpose(1, 2).reshape(B, T, C))
+
+
+# ---- block -----------------------------------------------------------------------------------------
+
+
+def norm_layer(config: CocaLMConfig) -> nn.Module:
+    """The architecture's norm: LayerNorm with bias (neox) or RMSNorm, weight only (llama)."""
+    if config.arch == "llama":
+        return nn.RMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
 class CocaLMMLP(nn.Module):
+    """GPT-NeoX's MLP (exact GELU)."""
+
     def __init__(self, config: CocaLMConfig):
         super().__init__()
         self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
@@ -205,20 +267,44 @@ class CocaLMMLP(nn.Module):
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
 
 
+class SwiGLU(nn.Module):
+    """Llama's gated MLP, no biases."""
+
+    def __init__(self, config: CocaLMConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class CocaLMLayer(nn.Module):
+    """x + attention(input_layernorm(x)) + mlp(post_attention_layernorm(x)) (parallel residual), or
+    the two in sequence. The attention sits where GPTNeoXLayer (`attention`) or LlamaDecoderLayer
+    (`self_attn`) keeps it."""
+
     def __init__(self, config: CocaLMConfig, layer_idx: int):
         super().__init__()
-        self.parallel = config.use_parallel_residual
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.attention = CocaLMAttention(config, layer_idx)
-        self.mlp = CocaLMMLP(config)
+        self.parallel, self.llama = config.use_parallel_residual, config.arch == "llama"
+        self.input_layernorm = norm_layer(config)
+        self.post_attention_layernorm = norm_layer(config)
+        if self.llama:
+            self.self_attn = CocaLMAttention(config, layer_idx)
+            self.mlp = SwiGLU(config)
+        else:
+            self.attention = CocaLMAttention(config, layer_idx)
+            self.mlp = CocaLMMLP(config)
+
+    def attend(self, x, rope, cache, key_mask) -> torch.Tensor:
+        attention = self.self_attn if self.llama else self.attention
+        return attention(self.input_layernorm(x), rope, cache, key_mask)
 
     def forward(self, x, rope, cache, key_mask):
         if self.parallel:
-            attention = self.attention(self.input_layernorm(x), rope, cache, key_mask)
-            return x + attention + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.attention(self.input_layernorm(x), rope, cache, key_mask)
+            return x + self.attend(x, rope, cache, key_mask) + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attend(x, rope, cache, key_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -236,31 +322,44 @@ class CocaLMPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
-        if isinstance(module, nn.LayerNorm):
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             nn.init.ones_(module.weight)
+        if isinstance(module, nn.LayerNorm):
             nn.init.zeros_(module.bias)
 
 
 class CocaLMModel(CocaLMPreTrainedModel):
+    """Embedding, layers and final norm, named as GPTNeoXModel's (`embed_in`, `final_layer_norm`)
+    or LlamaModel's (`embed_tokens`, `norm`)."""
+
     def __init__(self, config: CocaLMConfig):
         super().__init__(config)
-        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
+        embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(CocaLMLayer(config, i) for i in range(config.num_hidden_layers))
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        if config.arch == "llama":
+            self.embed_tokens, self.norm = embedding, norm_layer(config)
+        else:
+            self.embed_in, self.final_layer_norm = embedding, norm_layer(config)
         check_rope_parameters(config)
         self.rope = rope_from_config(config) if config.attention == "coca" else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_in
+        return self.embed_tokens if self.config.arch == "llama" else self.embed_in
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_in = value
+        if self.config.arch == "llama":
+            self.embed_tokens = value
+        else:
+            self.embed_in = value
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) if self.config.arch == "llama" else self.final_layer_norm(x)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                 cache: Cache | None = None, use_cache: bool | None = None, **kwargs) -> torch.Tensor:
         """Final hidden states [B, T, C]; `cache` (a transformers Cache) is extended in place."""
-        x = self.embed_in(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.get_input_embeddings()(input_ids) if inputs_embeds is None else inputs_embeds
         T = x.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         key_mask = None
@@ -274,15 +373,20 @@ class CocaLMModel(CocaLMPreTrainedModel):
             rope = self.rope.tables(positions, past + T, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, cache, key_mask)
-        return self.final_layer_norm(x)
+        return self.final_norm(x)
 
 
 class CocaLMForCausalLM(CocaLMPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "gpt_neox.embed_in.weight"}
+    """The decoder, under `gpt_neox` (arch=neox, as in GPTNeoXForCausalLM) or `model` (arch=llama, as
+    in LlamaForCausalLM), and the LM head. One class for both architectures: transformers' auto
+    classes map a config class to one model class."""
 
     def __init__(self, config: CocaLMConfig):
         super().__init__(config)
-        self.gpt_neox = CocaLMModel(config)
+        prefix, embedding = LAYOUT[config.arch]
+        self.base_model_prefix = prefix  # transformers reads both from the model, not its class
+        self._tied_weights_keys = {"lm_head.weight": f"{prefix}.{embedding}.weight"}
+        setattr(self, prefix, CocaLMModel(config))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
@@ -300,7 +404,7 @@ class CocaLMForCausalLM(CocaLMPreTrainedModel, GenerationMixin):
             use_cache = self.config.use_cache and not self.training
         if use_cache and cache is None:
             cache = DynamicCache()
-        h = self.gpt_neox(input_ids, attention_mask, position_ids, inputs_embeds, cache if use_cache else None)
+        h = self.base_model(input_ids, attention_mask, position_ids, inputs_embeds, cache if use_cache else None)
         logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         loss = None
         if labels is not None:
@@ -313,7 +417,7 @@ class CocaLMForCausalLM(CocaLMPreTrainedModel, GenerationMixin):
         whole sequence then, which is exact (one full forward per token)."""
         inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         cache = inputs.get("cache", inputs.get("past_key_values"))
-        rope = self.gpt_neox.rope
+        rope = self.base_model.rope
         past = cache.get_seq_length() if cache is not None else 0
         if rope is not None and past and rope.base_at(past) != rope.base_at(input_ids.shape[1]):
             cache.crop(-past)  # drop every cached token (negative: how many to remove)

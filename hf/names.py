@@ -1,6 +1,6 @@
-"""The parameter-name maps between our model and Hugging Face's layouts: GPT-NeoX's (arch=neox),
-which the exported remote-code model (`hf/modeling_coca_lm.py`) uses too, and Llama's (arch=llama,
-`LlamaForCausalLM`)."""
+"""The parameter-name maps between our model and Hugging Face's layouts: GPT-NeoX's (arch=neox) and
+Llama's (arch=llama, `LlamaForCausalLM`); the exported remote-code model (`hf/modeling_coca_lm.py`)
+uses the same two."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def llama_hf_names(cfg: ModelConfig) -> dict[str, str]:
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our parameters under GPT-NeoX's names, as contiguous fp32 copies."""
+    """Our parameters under their Hugging Face names (GPT-NeoX's for arch=neox, Llama's for
+    arch=llama: the plain export's and the remote-code model's alike), as contiguous fp32 copies."""
+    names = llama_hf_names(model.cfg) if model.cfg.arch == "llama" else hf_names(model.cfg)
     ours = dict(model.named_parameters(remove_duplicate=False))
-    return {theirs: ours[name].detach().to(torch.float32).contiguous().clone()
-            for name, theirs in hf_names(model.cfg).items()}
+    return {theirs: ours[name].detach().to(torch.float32).contiguous().clone() for name, theirs in names.items()}

@@ -1,10 +1,12 @@
 """Hugging Face export (`hf.export`): the exported directory, loaded through `AutoTokenizer` and
 `AutoModelForCausalLM`, gives our token ids, our logits (1e-5, fp32) and our greedy tokens, for
-Origin (plain GPTNeoXForCausalLM), ALiBi and CoCA slack / strict (remote code).
+Origin (a plain GPTNeoXForCausalLM, or LlamaForCausalLM for arch=llama), ALiBi and CoCA slack /
+strict (remote code), on both architectures (llama: grouped-query attention, tied and untied).
 
 Fast tier: random-weight models of two layers at a training length of 32, compared at 1x and 8x.
 Slow tier: a ZeRO-3 run trained here, exported by the CLI, loaded in a subprocess that cannot import
-this project, and scored by lm-evaluation-harness on the local task in `lm_eval_tasks/`.
+this project, and scored by lm-evaluation-harness on the local task in `lm_eval_tasks/`; arch=llama
+micro runs (Origin and CoCA) exported by the CLI, with and without a RoPE scaling.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 from hf.export import ExportError, export_hf
 from model import GPT, ModelConfig
+from model.config import RopeScaling
 from run_checks import clean_env
 from train.export_hf import main as export_main
 from train.load import load_model
@@ -44,6 +47,14 @@ SAMPLE = (
     "日本語のテキスト, Ελληνικά, русский, emoji 🙂🚀, tabs\t\tand  double  spaces\r\n"
     "literal specials </s> <s> <pad> <unk> stay text; rare: \u0bf5 \U0001f9ec\n"
 )
+VARIANTS = {  # arch=llama: 4 query heads sharing 2 key/value heads, untied and tied embeddings
+    "neox": {},
+    "llama": dict(arch="llama", n_head=4, n_kv_head=2),
+    "llama-tied": dict(arch="llama", n_head=4, n_kv_head=2, tie_embeddings=True),
+}
+# What AutoModelForCausalLM loads: (arch, Origin?) -> class; only the custom ones need remote code.
+HF_CLASS = {("neox", True): "GPTNeoXForCausalLM", ("llama", True): "LlamaForCausalLM",
+            ("neox", False): "CocaLMForCausalLM", ("llama", False): "CocaLMForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +63,36 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     return get_tokenizer(config_from_overrides([f"cache_dir={cache}", "tokenizer.sample_docs=60"], 512))
 
 
-def random_model(tokenizer: Tokenizer, design: str) -> GPT:
-    """A 2-layer model with every parameter (biases and LayerNorms too) drawn at std 0.1."""
+def random_model(tokenizer: Tokenizer, design: str, variant: str = "neox", **overrides) -> GPT:
+    """A 2-layer model with every parameter (biases and norms too) drawn at std 0.3: scores large
+    enough that each RoPE scaling moves the logits at 8x by 0.04 or more, far beyond the 1e-5
+    compared. arch=llama has its own block (sequential residual, full rotary) whatever the design."""
+    shape = dict(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, max_seq_len=L0,
+                 **DESIGNS[design])
+    shape.update(**VARIANTS[variant], **overrides)
+    if shape.get("arch") == "llama":
+        shape.update(parallel_residual=False, rotary_pct=1.0)
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64,
-                            max_seq_len=L0, **DESIGNS[design])).eval()
+    model = GPT(ModelConfig(**shape)).eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.1)
+            p.normal_(0.0, 0.3)
     return model
 
 
 def load_hf(path: Path, rope_override: dict | None = None):
+    """The export through AutoConfig and AutoModelForCausalLM, with remote code only where it ships
+    some (Origin: none); every weight in the file is one of the model's and none is missing."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    remote = (path / "modeling_coca_lm.py").exists()
+    config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
     if rope_override:
         config.rope_parameters = {**config.rope_parameters, **rope_override}
-    return AutoModelForCausalLM.from_pretrained(path, config=config, trust_remote_code=True).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(path, config=config, trust_remote_code=remote,
+                                                       output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -183,20 +206,56 @@ def test_overwrite_replaces_only_a_previous_export_and_a_failure_keeps_it(tokeni
     assert (out / "my_notes.txt").read_text() == "mine"
 
 
+def _check_loaded(hf, model: GPT, design: str) -> None:
+    """The class AutoModelForCausalLM chose and the shape it built: tying, key/value heads."""
+    m = model.cfg
+    assert type(hf).__name__ == HF_CLASS[(m.arch, design == "origin")]
+    assert hf.config.tie_word_embeddings == m.tie_embeddings
+    assert (hf.get_output_embeddings().weight is hf.get_input_embeddings().weight) == m.tie_embeddings
+    if m.arch == "llama":
+        assert hf.config.num_key_value_heads == m.kv_heads < m.n_head
+        assert hf.base_model.layers[0].self_attn.k_proj.weight.shape == (m.kv_heads * m.head_dim, m.n_embd)
+
+
+def _check_rope(config, model: GPT) -> None:
+    """The loaded config carries our RoPE scaling (the logits then show it acts)."""
+    s, p = model.cfg.rope_scaling, config.rope_parameters
+    assert p["rope_type"] == {"none": "default", "ntk": "default"}.get(s.type, s.type)
+    assert p["rope_theta"] == pytest.approx(model.rope.base_at(1) if s.type == "ntk" else model.cfg.rope_base)
+    if s.type in ("linear", "dynamic", "yarn"):
+        assert p["factor"] == s.factor
+    train_len = s.original_max_seq_len or model.cfg.max_seq_len
+    if s.type == "yarn":
+        assert p["original_max_position_embeddings"] == train_len
+    assert config.max_position_embeddings == (train_len if s.type == "dynamic" else model.cfg.max_seq_len)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("design", list(DESIGNS))
-def test_logits_and_greedy_tokens_match(design, tokenizer, tmp_path):
-    model = random_model(tokenizer, design)
+def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
+    """Each RoPE scaling the exporter carries (set on our model, as its `rope_scaling=` does) comes
+    back in the loaded config and gives our logits at 1x and 8x the training length, where it
+    visibly changes them; greedy `generate` gives our tokens."""
+    model = random_model(tokenizer, design, variant)
     idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
     scalings = [("none", 1.0)] if design == "alibi" else [("none", 1.0), ("dynamic", 4.0), ("linear", 4.0),
                                                             ("ntk", 4.0), ("yarn", 4.0)]
+    with torch.no_grad():
+        unscaled = model(idx)
     for kind, factor in scalings:
         model.set_rope_scaling(kind, factor)
-        hf = load_hf(export_hf(model, tokenizer, tmp_path / kind))
+        out = export_hf(model, tokenizer, tmp_path / kind)
+        assert (out / "modeling_coca_lm.py").exists() == (design != "origin")
+        hf = load_hf(out)
+        _check_loaded(hf, model, design)
+        if design != "alibi":
+            _check_rope(hf.config, model)
         with torch.no_grad():
             for length in (L0, 8 * L0):
                 want = model(idx[:, :length])
                 torch.testing.assert_close(hf(idx[:, :length]).logits, want, rtol=0, atol=1e-5)
                 assert want.std() > 0.05
+        assert kind == "none" or (want - unscaled).abs().max() > 1e-2
     model.set_rope_scaling("none", 1.0)
     hf = load_hf(tmp_path / "none")
     prompt = idx[:1, :20]
@@ -205,12 +264,34 @@ def test_logits_and_greedy_tokens_match(design, tokenizer, tmp_path):
     assert torch.equal(theirs, ours)
 
 
+@pytest.mark.parametrize("variant, design", [("neox", "origin"), ("llama", "origin"), ("llama", "coca-slack"),
+                                             ("llama-tied", "coca-strict")])
+@pytest.mark.parametrize("kind", ["dynamic", "yarn"])
+def test_scaling_from_an_original_length_is_where_transformers_reads_it(kind, variant, design, tokenizer, tmp_path):
+    """A model continued past its pretraining length scales RoPE from that shorter length
+    (`rope_scaling.original_max_seq_len`): the export carries it (yarn's
+    original_max_position_embeddings, dynamic's max_position_embeddings) and gives our logits,
+    which differ from those of a scaling from the training length. (Heads of 16 rotary dims or more:
+    with 8, YaRN's ramp is the same from 16 tokens as from 32.)"""
+    scaling = RopeScaling(kind, 4.0, original_max_seq_len=L0 // 2)
+    model = random_model(tokenizer, design, variant, n_embd=64, rope_scaling=scaling)
+    hf = load_hf(export_hf(model, tokenizer, tmp_path))
+    _check_rope(hf.config, model)
+    idx = torch.randint(4, tokenizer.vocab_size, (1, 4 * L0), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(idx)
+        torch.testing.assert_close(hf(idx).logits, want, rtol=0, atol=1e-5)
+        plain = random_model(tokenizer, design, variant, n_embd=64, rope_scaling=RopeScaling(kind, 4.0))
+        assert (plain(idx) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("variant", ["neox", "llama"])
 @pytest.mark.parametrize("design", ["coca-slack", "coca-strict"])
-def test_dynamic_ntk_set_at_load_time_generates_like_ours(design, tokenizer, tmp_path):
+def test_dynamic_ntk_set_at_load_time_generates_like_ours(design, variant, tokenizer, tmp_path):
     """The README's recipe (dynamic NTK chosen when loading); generation crosses the training length,
     where every new length has a new base: each step's logits equal a full forward of ours.
-    (Origin's plain GPTNeoX keeps its stale cache there, transformers' own convention.)"""
-    model = random_model(tokenizer, design)
+    (Origin's plain GPTNeoX and Llama keep their stale cache there, transformers' own convention.)"""
+    model = random_model(tokenizer, design, variant)
     hf = load_hf(export_hf(model, tokenizer, tmp_path), {"rope_type": "dynamic", "factor": 4.0})
     model.set_rope_scaling("dynamic", 4.0)
     prompt = torch.randint(4, tokenizer.vocab_size, (1, L0 - 8), generator=torch.Generator().manual_seed(2))
@@ -221,6 +302,31 @@ def test_dynamic_ntk_set_at_load_time_generates_like_ours(design, tokenizer, tmp
         for step, logits in enumerate(out.logits):
             want = model(out.sequences[:, : prompt.shape[1] + step])[:, -1]
             torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+
+
+def test_remote_config_refuses_a_shape_it_cannot_build(tokenizer, tmp_path):
+    """The modeling file's config refuses key/value heads that GPT-NeoX's fused qkv cannot have or
+    that do not divide the query heads, and an unknown arch."""
+    from transformers import AutoConfig
+
+    path = export_hf(random_model(tokenizer, "coca-slack", "llama"), tokenizer, tmp_path / "hf")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    assert (config.arch, config.num_key_value_heads, config.num_attention_heads) == ("llama", 2, 4)
+    for bad in ({"arch": "neox"}, {"num_key_value_heads": 3}, {"arch": "mamba"}):
+        with pytest.raises(ValueError, match="need neox.llama, and key/value heads dividing"):
+            type(config)(**{**config.to_dict(), **bad})
+
+
+def test_one_process_loads_both_architectures_from_one_modeling_file(tokenizer, tmp_path):
+    """transformers caches remote code by folder name and content and maps its config class to one
+    model class: a neox and a llama export of the same name, loaded in turn, are each their own."""
+    for i, variant in enumerate(["neox", "llama", "neox"]):
+        model = random_model(tokenizer, "coca-strict", variant)
+        hf = load_hf(export_hf(model, tokenizer, tmp_path / str(i) / "hf"))
+        assert hf.config.arch == model.cfg.arch
+        idx = torch.randint(4, tokenizer.vocab_size, (1, L0), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            torch.testing.assert_close(hf(idx).logits, model(idx), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
@@ -280,8 +386,9 @@ try:
 except ModuleNotFoundError:
     pass
 from transformers import AutoModelForCausalLM, AutoTokenizer
-tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
-model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+remote = Path(model_dir, "modeling_coca_lm.py").exists()  # Origin loads without remote code
+tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=remote)
+model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=remote).eval()
 text = Path(sys.argv[4]).read_text()
 ids = [tok.eos_token_id] + tok(text)["input_ids"][: 8 * 32 - 1]
 with torch.no_grad():
@@ -316,24 +423,30 @@ def zero3(tmp_path_factory) -> tuple[Path, Path]:
     return run, out
 
 
-@pytest.mark.slow
-def test_zero3_export_loads_without_this_project(zero3, tmp_path):
-    run, out = zero3
-    assert sorted(p.name for p in out.iterdir()) == [
-        "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors",
-        "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json", "transforms.py"]
+def _compare_outside_this_project(run: Path, out: Path, tmp_path: Path) -> str:
+    """Load the export `out` in an interpreter that cannot import this project: the ids, logits
+    (1e-5) and greedy tokens it gives are `run`'s. Returns the class AutoModelForCausalLM chose."""
     source = Path(json.__file__).with_name("decoder.py")  # any long text: the stdlib's own
     result = tmp_path / "hf.pt"
     _ok(subprocess.run([sys.executable, "-I", "-c", LOADER, str(REPO), str(out), str(result), str(source)],
                        cwd=tmp_path, env=_env(tmp_path / "hf_home"), capture_output=True, text=True, timeout=600))
     got = torch.load(result)
     model, _, tok = load_model(str(run))
-    assert got["class"] == "CocaLMForCausalLM"
     assert got["ids"] == [tok.eos_id] + tok.encode(source.read_text())[: 8 * L0 - 1]
     with torch.no_grad():
         want = model(torch.tensor([got["ids"]]))
     torch.testing.assert_close(got["logits"], want, rtol=0, atol=1e-5)
     assert torch.equal(got["generated"], model.generate(torch.tensor([got["ids"][:20]]), 32, greedy=True))
+    return got["class"]
+
+
+@pytest.mark.slow
+def test_zero3_export_loads_without_this_project(zero3, tmp_path):
+    run, out = zero3
+    assert sorted(p.name for p in out.iterdir()) == [
+        "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors",
+        "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json", "transforms.py"]
+    assert _compare_outside_this_project(run, out, tmp_path) == "CocaLMForCausalLM"
 
 
 @pytest.mark.slow
@@ -348,3 +461,56 @@ def test_lm_eval_runs_the_local_task(zero3, tmp_path):
     scores = results["results"]["coca_lm_pycloze"]
     assert 0.0 <= scores["acc,none"] <= 1.0 and 0.0 <= scores["acc_norm,none"] <= 1.0
     assert results["n-samples"]["coca_lm_pycloze"]["effective"] == 24
+
+
+# ---- slow: arch=llama runs through the CLI ------------------------------------------------------------
+
+# model=llama_tiny shrunk by experiment=micro (as tests/test_model_llama.py's run), with 2 layers and
+# 4 query heads sharing 2 key/value heads; Origin with tied embeddings, CoCA slack untied.
+LLAMA_RUNS = {"origin": ["model.tie_embeddings=true"], "coca slack": ["model.attention=coca"]}
+
+
+@pytest.fixture(scope="module", params=list(LLAMA_RUNS))
+def llama_run(request, tmp_path_factory) -> tuple[Path, Path]:
+    """An arch=llama micro run trained 6 steps, and its directory exported by the CLI."""
+    root = tmp_path_factory.mktemp("hf_llama")
+    run, out = root / "run", root / "hf"
+    _ok(subprocess.run([sys.executable, "-m", "train", "experiment=micro", "model=llama_tiny", "model.n_layer=2",
+                        "model.n_head=4", "model.n_kv_head=2", *LLAMA_RUNS[request.param], "logger=none",
+                        "logger.progress=false", f"run_dir={run}", f"data.cache_dir={root / 'cache'}", "max_steps=6",
+                        "ckpt_every=6", "eval_every=6"],
+                       cwd=REPO, env=_env(root / "hf_home"), capture_output=True, text=True, timeout=600))
+    done = _ok(subprocess.run([sys.executable, "-m", "train.export_hf", f"run={run}", f"out={out}"], cwd=REPO,
+                              env=_env(root / "hf_home"), capture_output=True, text=True, timeout=600))
+    code = "" if request.param == "origin" else " (trust_remote_code=True)"
+    assert done.stdout.strip().splitlines() == [
+        f"exported llama {request.param} (no RoPE scaling) to {out}: AutoModelForCausalLM{code}"]
+    return run, out
+
+
+@pytest.mark.slow
+def test_llama_run_exports_loads_without_this_project_and_takes_a_rope_scaling(llama_run, tmp_path):
+    """The trained run's export (Origin: a plain LlamaForCausalLM, no remote code) gives our ids,
+    logits and greedy tokens in an interpreter without this project; exported again with
+    `rope_scaling=dynamic:4`, its config carries the scaling and gives our scaled logits at 8x."""
+    run, out = llama_run
+    config = json.loads((out / "config.json").read_text())
+    origin = config["architectures"] == ["LlamaForCausalLM"]
+    assert origin == (not (out / "modeling_coca_lm.py").exists()) == (config.get("attention") is None)
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (2, 4, 2)
+    assert config["tie_word_embeddings"] == origin
+    assert _compare_outside_this_project(run, out, tmp_path) == config["architectures"][0]
+
+    scaled = tmp_path / "dynamic"
+    done = _ok(subprocess.run([sys.executable, "-m", "train.export_hf", f"run={run}", f"out={scaled}",
+                               "rope_scaling=dynamic:4"], cwd=REPO, env=_env(tmp_path / "hf_home"),
+                              capture_output=True, text=True, timeout=600))
+    assert "(RoPE scaling dynamic:4)" in done.stdout
+    model, _, tok = load_model(str(run))
+    model.set_rope_scaling("dynamic", 4.0)
+    hf = load_hf(scaled)
+    _check_loaded(hf, model, "origin" if origin else "coca")
+    _check_rope(hf.config, model)
+    idx = torch.randint(4, tok.vocab_size, (1, 8 * L0), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx), rtol=0, atol=1e-5)

@@ -2,7 +2,8 @@
 
 Loads a run's newest complete checkpoint, or the checkpoint given, of any kind (ZeRO 0-3, bf16 or
 fp32; weights gathered to fp32 by `train.load.load_model`) and writes it with `hf.export.export_hf`
-as a self-contained Hugging Face model directory (what it holds: `hf/export.py`).
+as a self-contained Hugging Face model directory (what it holds: `hf/export.py`), of either
+architecture: Origin as a plain `GPTNeoXForCausalLM` or `LlamaForCausalLM`, the others as remote code.
 
 `out` is checked before anything loads: never a run or checkpoint directory, inside one or holding
 one (what a run looks like is train's knowledge, checked here), then `hf.export.check_out`'s rules:
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(error, EXIT_USAGE if isinstance(error, ExportError) else exit_code(error))
     m = model.cfg
     kind = m.attention if m.attention != "coca" else f"coca {m.coca_form}"
+    kind = f"llama {kind}" if m.arch == "llama" else kind
     code = "" if m.attention == "origin" else " (trust_remote_code=True)"
     s = m.rope_scaling
     rope = "" if m.attention == "alibi" else (" (no RoPE scaling)" if s.type == "none"

@@ -5,9 +5,9 @@
 
 Each case is one attention layer (`model.attention.CausalSelfAttention`) on random x [B, N, H * D],
 with B = max(1, --tokens / N) so that every length processes the same number of tokens. The masked
-case gets the document ids of real packed rows: the first batch of the default training stream
-(the stdlib corpus, `data.synthetic.document_ids`) at that length, so documents have the corpus's
-lengths. The unmasked case is today's path (fused `is_causal` SDPA; ALiBi's own kernel).
+case gets rows packed from the stdlib corpus's documents with their real token lengths (the default
+tokenizer), as the training stream packs them; the table gives the documents per row. The unmasked
+case is today's path (fused `is_causal` SDPA; ALiBi's own kernel).
 
 Time is the best of `--repeats` after a warm-up, masked and unmasked timed round-robin in one
 process; memory is the peak growth of one run (`bench.attention`'s method: on CPU the resident-set
@@ -24,7 +24,6 @@ import math
 import subprocess
 import sys
 import time
-from itertools import islice
 
 import torch
 
@@ -38,19 +37,32 @@ ATTENTIONS = ("origin", "alibi", "coca-slack", "coca-strict")
 
 
 def packed_documents(n: int, batch: int, args) -> torch.Tensor:
-    """Document ids [batch, n] of the default training stream's first rows at length n."""
+    """Document ids [batch, n] of rows packed as the training stream packs them (each document
+    then its EOS, back to back), from the stdlib train split's documents with their real token
+    lengths, in a seeded order from a seeded offset: the first rows of the stream itself may all
+    lie inside one long file, which would time nothing but the one-document path."""
+    import numpy as np
+
     from data.config import DataConfig, TokenizerConfig
-    from data.loader import build_loader
-    from data.synthetic import document_ids, split_block
+    from data.sources import open_source, text_of
     from data.tokenizer import get_tokenizer
 
     sizes = {"vocab_size": args.vocab_size, "sample_docs": args.sample_docs}
     tokenizer = TokenizerConfig(**{key: value for key, value in sizes.items() if value})
     cfg = DataConfig(tokenizer=tokenizer, **({"cache_dir": args.cache_dir} if args.cache_dir else {}))
-    tokenizer = get_tokenizer(cfg)
-    loader = build_loader(cfg, tokenizer, split="train", seq_len=n, batch_size=batch)
-    inputs, _ = split_block(next(iter(islice(loader, 1))))
-    return document_ids(inputs, tokenizer.eos_id)
+    tok = get_tokenizer(cfg)
+    src = cfg.sources[0]
+    lengths = []
+    for example in open_source(src, "train", cfg, seed=0):
+        lengths.append(len(tok.encode(text_of(example, src))) + 1)
+        if sum(lengths) >= 4 * n * batch and len(lengths) >= 50:
+            break
+    rng = np.random.default_rng(0)
+    ids = np.repeat(np.arange(len(lengths)), rng.permutation(lengths))
+    ids = np.concatenate([ids, ids + len(lengths)])  # room for the offset
+    start = int(rng.integers(0, len(ids) // 2))
+    rows = torch.from_numpy(ids[start : start + n * batch].reshape(batch, n).copy())
+    return rows - rows[:, :1]  # ids count from 0 in each row
 
 
 def make_step(attention: str, masked: bool, n: int, args, documents: torch.Tensor):

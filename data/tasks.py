@@ -259,7 +259,9 @@ def recall_vocab(tokenizer) -> RecallVocab:
         if piece.startswith("\u2581") and len(word) >= 2 and word.isascii() and word.isalpha() and word.islower():
             words.append(i)
     if len(words) < 64:
-        raise ValueError(f"the tokenizer has {len(words)} whole-word pieces; recall needs at least 64")
+        raise ValueError(f"the tokenizer has {len(words)} whole-word pieces (a leading space, then two or more "
+                         "lowercase ASCII letters: `▁word` as its `piece` writes it); recall needs at least 64: "
+                         "with this tokenizer, use the passkey task")
     return RecallVocab(
         keys=tuple(words[0::2]), values=tuple(words[1::2]),
         header=tuple(tokenizer.encode(RECALL_HEADER)), query=tuple(tokenizer.encode(RECALL_QUERY)),

@@ -11,6 +11,10 @@ kept, byte fallback (every string encodes, no <unk>). SentencePiece writes space
 
 Overrides are train's `data.*` keys without the prefix, in train's syntax (`data.cli`), e.g.
 `'sources=[{kind:files,path:"books/*.jsonl"}]' tokenizer.sample_docs=200`.
+
+A Hugging Face tokenizer (`tokenizer.json`, the `tokenizers` library) loads as `HFTokenizer`, with
+the same interface; `load_tokenizer(path)` reads whichever a directory or a file holds (a model
+directory, a run's checkpoint, or `data.tokenizer.model_path`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,12 @@ from data.sources import by_document, check_sources, open_source, stdlib_fingerp
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 _SPACE_PIECE = "\u2581"
 _CACHE_VERSION = 1
+# The names a tokenizer file goes by in a directory (a model directory, a checkpoint), in the order
+# `load_tokenizer` looks for them: a Hugging Face directory's fast tokenizer first, as AutoTokenizer.
+HF_TOKENIZER_FILE, SP_TOKENIZER_FILE = "tokenizer.json", "tokenizer.model"
+TOKENIZER_FILES = (HF_TOKENIZER_FILE, SP_TOKENIZER_FILE)
+HF_ROLES_FILE = "tokenizer_config.json"  # which tokens are EOS, BOS, pad and unk (transformers' file)
+_ROLES = ("eos", "bos", "pad", "unk")
 
 
 class Tokenizer:
@@ -100,8 +110,212 @@ class Tokenizer:
                              f"has ids 0..{self.vocab_size - 1}")
         return self._sp.decode(ids)
 
+    def files(self) -> dict[str, bytes]:
+        """What a run stores to load this tokenizer again (`load_tokenizer` on that directory)."""
+        return {SP_TOKENIZER_FILE: self._proto}
+
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (a printable character per byte), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _mentions_byte_level(node) -> bool:
+    """Whether a tokenizer.json component (or a Sequence of them) is byte-level."""
+    if isinstance(node, dict):
+        return node.get("type") == "ByteLevel" or any(_mentions_byte_level(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_mentions_byte_level(v) for v in node)
+    return False
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (the `tokenizers` library) with `Tokenizer`'s interface;
+    picklable for dataloader workers.
+
+    `roles` gives the token of each of eos, bos, pad, unk, as its text or its id (None: the tokenizer
+    has none, id -1, as SentencePiece says): `load_tokenizer` reads them from the model's files
+    (`hf_roles`); they are kept as text, the form tokenizer_config.json stores. EOS is required (the
+    stream ends every document with it). `encode` adds no special token and never matches one in
+    the text (transformers' `split_special_tokens`): "</s>" in a document is text, so EOS appears
+    only where the stream puts it and `data.synthetic.document_ids` counts documents right; a
+    tokenizer whose model still maps text to its EOS is refused at load. `piece` writes a leading
+    space as "▁" (SentencePiece's mark) for byte-level vocabularies too (GPT-2's "Ġ").
+    """
+
+    def __init__(self, path: str | os.PathLike, roles: dict[str, str | int | None]):
+        self.path = str(path)
+        if not Path(self.path).is_file():
+            raise FileNotFoundError(f"tokenizer {self.path!r} does not exist (or is not a file)")
+        self._json = Path(self.path).read_bytes()
+        self.roles = roles
+        self._load()
+
+    def _load(self) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        try:
+            spec = json.loads(self._json)
+            self._backend = Backend.from_str(self._json.decode())
+        except Exception as error:  # noqa: BLE001 - json and tokenizers raise several types for a bad file
+            raise DataError(f"{self.path} is not a Hugging Face tokenizer.json ({type(error).__name__}: "
+                            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from None
+        self._backend.encode_special_tokens = True  # special tokens in the text are text
+        self._byte_level = _mentions_byte_level([spec.get("pre_tokenizer"), spec.get("decoder")])
+        self.vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
+        ids, texts = {}, {}
+        for role in _ROLES:
+            given = self.roles.get(role)
+            texts[role] = self._backend.id_to_token(given) if isinstance(given, int) else given
+            ids[role] = -1 if given is None else self._backend.token_to_id(texts[role]) if texts[role] else None
+            if ids[role] is None:
+                raise DataError(f"tokenizer {self.path}: its {role} token {given!r} is not in its vocabulary")
+        self.roles = texts
+        if ids["eos"] < 0:
+            raise DataError(f"tokenizer {self.path} has no EOS token (config.json eos_token_id, "
+                            f"{HF_ROLES_FILE} eos_token): training ends every document with it")
+        self.eos_id: int = ids["eos"]
+        self.bos_id: int = ids["bos"]
+        self.pad_id: int = ids["pad"]
+        self.unk_id: int = ids["unk"]
+        eos = self.roles["eos"]
+        if any(self.eos_id in self.encode(text) for text in (eos, f"a {eos} b", f"a{eos}b")):
+            raise DataError(f"tokenizer {self.path} encodes the text {eos!r} to its EOS id {self.eos_id} even "
+                            "with special tokens split: EOS must mark document ends only")
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "_json": self._json, "roles": self.roles}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._load()
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self._json).hexdigest()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS/EOS added, none matched in it)."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def piece(self, token_id: int) -> str:
+        """The vocabulary entry of an id, a leading space written as `▁`."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is out of range: tokenizer {self.path} "
+                             f"has ids 0..{self.vocab_size - 1}")
+        if self._byte_level:
+            raw = b"".join(bytes([_BYTE_DECODER[c]]) if c in _BYTE_DECODER else c.encode() for c in token)
+            token = raw.decode("utf-8", errors="replace")
+            if token.startswith(" "):
+                token = _SPACE_PIECE + token[1:]
+        return token
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of `ids` (special tokens dropped, as SentencePiece drops its control pieces); an id
+        outside the vocabulary is a `ValueError` naming it."""
+        ids = [int(i) for i in ids]
+        if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} is out of range: this tokenizer ({self.path}) "
+                             f"has ids 0..{self.vocab_size - 1}")
+        return self._backend.decode(ids, skip_special_tokens=True)
+
+    def files(self) -> dict[str, bytes]:
+        """What a run stores to load this tokenizer again: the tokenizer.json as it is, and the roles
+        as transformers' tokenizer_config.json writes them (token strings)."""
+        roles = {f"{role}_token": token for role, token in self.roles.items()}
+        config = {**roles, "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+        return {HF_TOKENIZER_FILE: self._json, HF_ROLES_FILE: (json.dumps(config, indent=2) + "\n").encode()}
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object file, {} when absent; one `DataError` line when it does not parse."""
+    if not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise DataError(f"{path} is not readable JSON ({error})") from None
+    if not isinstance(found, dict):
+        raise DataError(f"{path} is not a JSON object")
+    return found
+
+
+def _token_text(value) -> Optional[str]:
+    """A tokenizer_config.json token: a string, or transformers' AddedToken dict ({"content": ...})."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _config_id(config: dict, role: str, where: Path) -> Optional[int]:
+    """config.json's `<role>_token_id` (the first of a list: the stream has one EOS), or None."""
+    value = config.get(f"{role}_token_id")
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise DataError(f"{where}: {role}_token_id={value!r} is not a token id")
+    return value
+
+
+def hf_roles(directory: Path) -> dict[str, str | int | None]:
+    """The EOS, BOS, pad and unk tokens of the tokenizer in `directory`: the ids of the model's
+    config.json (`eos_token_id`, `bos_token_id`, `pad_token_id`: what the weights were trained with)
+    first, else the token strings of tokenizer_config.json and special_tokens_map.json."""
+    config_path = directory / "config.json"
+    config = _read_json(config_path)
+    named = {**_read_json(directory / "special_tokens_map.json"), **_read_json(directory / HF_ROLES_FILE)}
+    roles: dict[str, str | int | None] = {}
+    for role in _ROLES:
+        ident = _config_id(config, role, config_path) if role != "unk" else None
+        roles[role] = ident if ident is not None else _token_text(named.get(f"{role}_token"))
+    return roles
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer | HFTokenizer:
+    """The tokenizer of a directory (a Hugging Face model directory, a run's checkpoint: its
+    tokenizer.json, else its tokenizer.model) or of a file (a `.json` is a Hugging Face
+    tokenizer.json, with the roles of the files beside it; anything else a SentencePiece model).
+
+    A SentencePiece model beside a config.json must have that config's EOS (`eos_token_id`): the
+    model's EOS is the stream's document end, and the `Tokenizer` class takes it from the model file.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        file = next((path / name for name in TOKENIZER_FILES if (path / name).is_file()), None)
+        if file is None:
+            raise FileNotFoundError(f"{path} holds no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    elif path.is_file():
+        file = path
+    else:
+        raise FileNotFoundError(f"tokenizer {str(path)!r} does not exist")
+    if file.suffix == ".json":
+        return HFTokenizer(file, hf_roles(file.parent))
+    tok = Tokenizer(file)
+    config_path = file.parent / "config.json"
+    eos = _config_id(_read_json(config_path), "eos", config_path)
+    if eos is not None and eos != tok.eos_id:
+        raise DataError(f"{config_path} says eos_token_id={eos} but {file}'s EOS is {tok.eos_id}: the stream ends "
+                        "documents with the tokenizer's EOS, which must be the model's")
+    return tok
 
 
 def _cache_key(cfg: DataConfig) -> str:
@@ -207,8 +421,9 @@ def train_tokenizer(cfg: DataConfig, out: str | os.PathLike) -> Tokenizer:
     return Tokenizer(out)
 
 
-def get_tokenizer(cfg: DataConfig, splits: tuple[str, ...] = ("train", "val")) -> Tokenizer:
-    """Load `cfg.tokenizer.model_path`, or the cached model for this spec, training it once.
+def get_tokenizer(cfg: DataConfig, splits: tuple[str, ...] = ("train", "val")) -> Tokenizer | HFTokenizer:
+    """Load `cfg.tokenizer.model_path` (a file or a directory: `load_tokenizer`), or the cached model
+    for this spec, training it once.
 
     First, whatever the tokenizer's origin, the local sources are checked to have documents for
     `splits` (the splits the caller reads; training: train and val) and `cfg.cache_dir` to be
@@ -218,12 +433,12 @@ def get_tokenizer(cfg: DataConfig, splits: tuple[str, ...] = ("train", "val")) -
     check_sources(cfg, splits)
     if cfg.tokenizer.model_path:
         path = Path(cfg.tokenizer.model_path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"data.tokenizer.model_path={str(path)!r} does not exist (or is not a file)")
+        if not path.exists():
+            raise FileNotFoundError(f"data.tokenizer.model_path={str(path)!r} does not exist")
         try:
-            return Tokenizer(path)
-        except DataError as e:
-            raise DataError(f"data.tokenizer.model_path: {e}") from None
+            return load_tokenizer(path)
+        except (DataError, FileNotFoundError) as e:
+            raise type(e)(f"data.tokenizer.model_path: {e}") from None
     if not any(s.is_text for s in cfg.sources):
         tokens = [s for s in cfg.sources if s.kind == "tokens"]
         if not tokens:
@@ -266,7 +481,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     train.add_argument("overrides", nargs="*", help="data overrides in train's syntax, e.g. tokenizer.sample_docs=200")
     for name, help_ in (("encode", "text to ids"), ("decode", "ids to text"), ("info", "model facts")):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--model", help=".model file (default: the cached one for the default config)")
+        p.add_argument("--model", help=".model or tokenizer.json file, or a directory holding one "
+                       "(default: the cached one for the default config)")
         if name == "encode":
             p.add_argument("text", nargs="?", help="text (default: stdin)")
         if name == "decode":
@@ -283,7 +499,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 Path(args.out).write_bytes(Path(tok.path).read_bytes())
             print(f"{tok.path} vocab_size={tok.vocab_size}")
             return
-        tok = Tokenizer(args.model) if args.model else get_tokenizer(DataConfig(), splits=("train",))
+        tok = load_tokenizer(args.model) if args.model else get_tokenizer(DataConfig(), splits=("train",))
         if args.command == "encode":
             print(" ".join(map(str, tok.encode(args.text if args.text is not None else sys.stdin.read()))))
         elif args.command == "decode":

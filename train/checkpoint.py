@@ -2,8 +2,10 @@
 
 Layout of `<run_dir>/checkpoints/step_NNNNNNNN/`: DeepSpeed's files (weights, optimizer and
 scheduler state, per ZeRO rank), `client_rank<R>.pt` per rank (step, tokens, data-loader state,
-python/numpy/torch RNG states), `config.yaml` (the resolved run config), `tokenizer.model` and
-`COMPLETE` (JSON: step, world size, precision, ZeRO stage and the size of every file).
+python/numpy/torch RNG states), `config.yaml` (the resolved run config), the tokenizer's files
+(`tokenizer.model`, or a Hugging Face `tokenizer.json` + `tokenizer_config.json`), for a run started
+from a Hugging Face directory `hf_origin.json` (`ModelSource`), and `COMPLETE` (JSON: step, world
+size, precision, ZeRO stage and the size of every file).
 A checkpoint is written under `.tmp_step_NNNNNNNN/` and renamed once every rank has finished
 and the `COMPLETE` marker is on disk, so a write killed half-way is never visible.
 A checkpoint is deleted by first renaming it to `.trash_step_NNNNNNNN/` (atomic), then removing
@@ -19,19 +21,23 @@ import random
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from errors import UserError, first_line
+from hf.imports import HFModel, is_hf_dir
+from hf.imports import read as read_hf
 from model.config import ModelConfig
 from train import distributed as dist
 
 MARKER = "COMPLETE"
+ORIGIN = "hf_origin.json"  # in every checkpoint of a run started from a Hugging Face directory
 UNIVERSAL = "universal"  # a checkpoint's ZeRO state re-sliceable for any world size (`train.elastic`)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^\.(tmp|trash)_step_\d{8}(_\d+)?$")
@@ -69,6 +75,55 @@ def find_checkpoint(path: str | Path) -> Path:
     if not found:
         raise CheckpointError(f"no complete checkpoint found in {path}")
     return found[-1]
+
+
+def find_init(path: str | Path) -> Path:
+    """What `init_from` names: a Hugging Face model directory (one holding config.json:
+    `hf.imports`) as it is, else a checkpoint (`find_checkpoint`: a run's newest, or the one named)."""
+    if is_hf_dir(path):
+        return Path(path)
+    try:
+        return find_checkpoint(path)
+    except CheckpointError as error:
+        if str(error).startswith("no complete checkpoint"):
+            raise CheckpointError(f"init_from={path}: no complete checkpoint found there, and it is not a Hugging "
+                                  "Face model directory either (no config.json)") from None
+        raise
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a run's model config and tokenizer come from instead of the command line: a Hugging
+    Face directory (`init_from=<dir>`: its config.json, tokenizer and tensors), or a checkpoint of a
+    run that started from one (resumed, or named by `init_from`: its saved model config and stored
+    tokenizer), which `ORIGIN` marks. `origin` is that file's content (the directory and its
+    config.json), carried into every checkpoint of the run."""
+
+    path: Path
+    model: ModelConfig
+    origin: dict[str, Any]
+    hf: Optional[HFModel]  # the directory, whose tensors are the weights; None: a checkpoint
+
+    @property
+    def where(self) -> str:
+        return f"{self.path / 'config.json'}" if self.hf is not None else f"checkpoint {self.path}"
+
+
+def model_source(path: Path) -> Optional[ModelSource]:
+    """The `ModelSource` at `path` (a Hugging Face directory, or a checkpoint holding `ORIGIN`), or
+    None for a checkpoint of a run configured on its command line."""
+    if is_hf_dir(path):
+        hf = read_hf(path)
+        return ModelSource(path, hf.model, {"hf_dir": str(Path(path).absolute()), "config": hf.config}, hf)
+    if not (path / ORIGIN).is_file():
+        return None
+    try:
+        origin = json.loads((path / ORIGIN).read_text())
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved_config(path).model))
+    except (OSError, ValueError, TypeError, OmegaConfBaseException) as error:
+        raise CheckpointError(f"checkpoint {path}: {ORIGIN} or its model config is unreadable "
+                              f"({first_line(error)}){older_hint(path)}") from None
+    return ModelSource(path, model, origin, None)
 
 
 def seed_all(seed: int) -> None:

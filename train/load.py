@@ -2,7 +2,9 @@
 
 Weights are gathered to fp32 whatever the ZeRO stage or precision of the run: ZeRO 1-3 (and the
 bf16 optimizer) keep fp32 master partitions, merged with DeepSpeed's own `zero_to_fp32`; a
-ZeRO-0 fp32 run stores the full module. Every checkpoint carries its config and tokenizer.
+ZeRO-0 fp32 run stores the full module. Every checkpoint carries its config and tokenizer (a
+SentencePiece `tokenizer.model`, or a Hugging Face `tokenizer.json` with its `tokenizer_config.json`
+for a run started from a Hugging Face model: `checkpoint_tokenizer`).
 The loader of every command that reads a trained model (`eval`, `generate`, `train.export_hf`):
 so the device check and the messages for a corrupt checkpoint live here, written once.
 """
@@ -13,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from data.tokenizer import Tokenizer
+from data.config import DataError
+from data.tokenizer import SP_TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
 from model import GPT
 from train.checkpoint import CheckpointError, complete_checkpoints, find_checkpoint, older_hint, saved_config, verify
 from train.config import ConfigError, TrainConfig, to_train_config
 
-TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_FILE = SP_TOKENIZER_FILE  # a SentencePiece run's tokenizer in its checkpoints (every run's, before HF ones)
 
 
 def check_device(device: str) -> None:
@@ -79,7 +82,16 @@ def checkpoint_config(ckpt: Path) -> TrainConfig:
         raise _reworded(error, ckpt) from None
 
 
-def load_model(path: str, device: str = "cpu") -> tuple[GPT, TrainConfig, Tokenizer]:
+def checkpoint_tokenizer(ckpt: Path) -> Tokenizer | HFTokenizer:
+    """The tokenizer a checkpoint stores: its tokenizer.json (with the roles of its
+    tokenizer_config.json), else its tokenizer.model (`data.tokenizer.load_tokenizer`)."""
+    try:
+        return load_tokenizer(ckpt)
+    except (OSError, DataError) as error:
+        raise CheckpointError(f"checkpoint {ckpt}: its tokenizer is unusable ({error})") from None
+
+
+def load_model(path: str, device: str = "cpu") -> tuple[GPT, TrainConfig, Tokenizer | HFTokenizer]:
     """A run directory (its newest complete checkpoint) or a checkpoint directory, as an fp32
     model in eval mode on `device`, with the run's config and tokenizer. A damaged checkpoint
     (a file missing or not at its written size) is refused first, naming the older sound one."""
@@ -95,5 +107,5 @@ def load_model(path: str, device: str = "cpu") -> tuple[GPT, TrainConfig, Tokeni
         raise _reworded(error, ckpt) from None
     model = GPT(cfg.model)
     model.load_state_dict(state)
-    tokenizer = Tokenizer(ckpt / TOKENIZER_FILE)
+    tokenizer = checkpoint_tokenizer(ckpt)
     return model.to(device).eval(), cfg, tokenizer

@@ -15,10 +15,10 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from data.tokenizer import TOKENIZER_FILES
 from train import checkpoint
 from train.checkpoint import CheckpointError
 from train.config import TrainConfig
-from train.load import TOKENIZER_FILE
 
 HONOUR, REFUSE = "honour", "refuse"
 
@@ -153,11 +153,17 @@ def check(ckpt: Path, cfg: TrainConfig) -> list[str]:
     return honoured
 
 
-def check_tokenizer(ckpt: Path, tokenizer_path: str | Path) -> None:
-    """The tokenizer this run loaded must be the one the checkpoint was trained with."""
-    saved = ckpt / TOKENIZER_FILE
-    if saved.is_file() and saved.read_bytes() != Path(tokenizer_path).read_bytes():
+def check_tokenizer(ckpt: Path, tokenizer) -> None:
+    """The tokenizer this run loaded must be the one the checkpoint was trained with: each of its
+    files (`tokenizer.files()`: tokenizer.model, or tokenizer.json + tokenizer_config.json) equal,
+    byte for byte, to the checkpoint's. A checkpoint from before tokenizers were stored passes."""
+    stored = [name for name in TOKENIZER_FILES if (ckpt / name).is_file()]
+    if not stored:
+        return
+    same = all((ckpt / name).is_file() and (ckpt / name).read_bytes() == content
+               for name, content in tokenizer.files().items())
+    if not same:
         raise CheckpointError(
-            f"the tokenizer {tokenizer_path} differs from the one checkpoint {ckpt} was trained with: "
-            f"set data.tokenizer.model_path={saved}"
+            f"the tokenizer {tokenizer.path} differs from the one checkpoint {ckpt} was trained with: "
+            f"set data.tokenizer.model_path={ckpt / stored[0]}"
         )

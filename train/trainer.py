@@ -12,6 +12,7 @@ targets, non-finite flag, stop request).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,10 @@ import torch
 from omegaconf import OmegaConf
 
 from data.loader import build_loader
-from data.tokenizer import get_tokenizer
+from data.sources import check_sources
+from data.tokenizer import get_tokenizer, load_tokenizer
+from hf.imports import HFImportError, combine
+from hf.imports import state_dict as hf_state_dict
 from model import GPT
 from train import checkpoint, resume
 from train import distributed as dist
@@ -32,7 +36,7 @@ from train.engine import build_engine, deepspeed_config, resolve_precision
 from train.faults import FaultInjector
 from train.flops import device_peak_flops, flops_per_token
 from train.inputs import counted_targets, documents_eos, model_inputs
-from train.load import TOKENIZER_FILE, fp32_state_dict
+from train.load import fp32_state_dict
 from train.metrics import Reporter, Throughput, peak_memory_gb, records_up_to
 from train.restore import checkpoint_to_resume, plan_resume, restore
 from train.schedule import lr_at
@@ -241,56 +245,96 @@ class _Checked:
     changed: list[str]  # the settings a resume changes (honoured), for the log
     metrics_kept: list[str]
     metrics_warning: Optional[str]
-    init_from: Optional[Path]
+    init_from: Optional[Path]  # a checkpoint, or a Hugging Face directory
     tokenizer: Any
+    source: Optional[checkpoint.ModelSource] = None  # where the model config and tokenizer come from, if not cfg
 
 
 def _checks(cfg: TrainConfig) -> _Checked:
+    """The checks that can fail, in order, before the run writes anything. A run whose model comes
+    from a `checkpoint.ModelSource` (init_from=<Hugging Face directory>, or a checkpoint of such a
+    run: resumed or named by init_from) takes its model config from there (`hf.imports.combine`:
+    `cfg.model` is replaced, before the resume rules compare it) and its tokenizer too."""
     resume_from = checkpoint_to_resume(cfg)  # `train.preflight` has checked the run directory
+    init_from = checkpoint.find_init(cfg.init_from) if cfg.init_from else None
+    origin = resume_from or init_from
+    source = checkpoint.model_source(origin) if origin is not None else None
+    if source is not None:
+        cfg.model = combine(source.model, cfg.model, source.where)
     changed = resume.check(resume_from, cfg) if resume_from is not None else []
     step = checkpoint.marker(resume_from)["step"] if resume_from is not None else 0
     kept, warning = records_up_to(Path(cfg.run_dir) / "metrics.jsonl", step) if dist.is_main() else ([], None)
-    init_from = checkpoint.find_checkpoint(cfg.init_from) if cfg.init_from else None
-    tokenizer = get_tokenizer(cfg.data)
-    if resume_from is not None:
-        resume.check_tokenizer(resume_from, tokenizer.path)
-    if tokenizer.vocab_size != cfg.model.vocab_size:
+    tokenizer = _source_tokenizer(cfg, source) if source is not None else get_tokenizer(cfg.data)
+    if source is not None and init_from is not None and dist.is_main():
+        m = cfg.model
+        print(f"model from {source.where}: arch={m.arch}, attention={m.attention}, {m.n_layer} layers of "
+              f"{m.n_embd}, {m.n_head} heads ({m.kv_heads} kv), vocab_size {m.vocab_size}, max_seq_len "
+              f"{m.max_seq_len}, rope_base {m.rope_base:g}, rope_scaling {m.rope_scaling.type}; tokenizer "
+              f"{tokenizer.path} ({tokenizer.vocab_size} tokens, EOS {tokenizer.eos_id})", file=sys.stderr)
+    if resume_from is not None and source is None:
+        resume.check_tokenizer(resume_from, tokenizer)
+    if source is None and tokenizer.vocab_size != cfg.model.vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={cfg.model.vocab_size}: "
             "set data.tokenizer.vocab_size to match"
         )
-    return _Checked(resume_from, changed, kept, warning, init_from, tokenizer)
+    return _Checked(resume_from, changed, kept, warning, init_from, tokenizer, source)
 
 
-def _build_model(cfg: TrainConfig, init_from: Optional[Path]) -> GPT:
+def _source_tokenizer(cfg: TrainConfig, source: checkpoint.ModelSource):
+    """The tokenizer of a model source (the directory's, or the checkpoint's copy). A
+    `data.tokenizer.model_path`, if given, must be the same tokenizer. Its size may be below the
+    model's `vocab_size` (Hugging Face embeddings are often padded), never above."""
+    check_sources(cfg.data, ("train", "val"))
+    tokenizer = load_tokenizer(source.path)
+    if cfg.data.tokenizer.model_path and get_tokenizer(cfg.data).files() != tokenizer.files():
+        raise ConfigError(f"data.tokenizer.model_path={cfg.data.tokenizer.model_path} is not the tokenizer of "
+                          f"{source.where} ({tokenizer.path}), which this run trains with: drop the override")
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise HFImportError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
+                            f"model's vocab_size={cfg.model.vocab_size} ({source.where})")
+    return tokenizer
+
+
+def _build_model(cfg: TrainConfig, checked: _Checked) -> GPT:
+    """The model, with the weights of `init_from` (a checkpoint's, or a Hugging Face directory's,
+    read in fp32) when given: a fresh run from them (step 0, a new optimizer)."""
     checkpoint.seed_all(cfg.seed)
     model = GPT(cfg.model)
-    if init_from is not None:
-        checkpoint.check_compatible(init_from, cfg.model)
-        model.load_state_dict(fp32_state_dict(init_from))
+    source = checked.source
+    if checked.init_from is not None and source is not None and source.hf is not None:
+        model.load_state_dict(hf_state_dict(source.hf))
+    elif checked.init_from is not None:
+        checkpoint.check_compatible(checked.init_from, cfg.model)
+        model.load_state_dict(fp32_state_dict(checked.init_from))
     if cfg.compile:
         model.compile_blocks()
     return model
 
 
-def _write_run_files(cfg: TrainConfig, tokenizer) -> dict[str, bytes]:
-    """`config.yaml` and `deepspeed.json` into the run directory (rank 0); returns the files every
-    checkpoint carries (the resolved config and the tokenizer)."""
+def _write_run_files(cfg: TrainConfig, checked: _Checked) -> dict[str, bytes]:
+    """`config.yaml`, `deepspeed.json`, the tokenizer's files and, for a run from a model source,
+    `hf_origin.json` into the run directory (rank 0); returns the files every checkpoint carries
+    (all of them but deepspeed.json)."""
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    files = {"config.yaml": config_yaml.encode(), **checked.tokenizer.files()}
+    if checked.source is not None:
+        files[checkpoint.ORIGIN] = (json.dumps(checked.source.origin, indent=2) + "\n").encode()
     if dist.is_main():
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config_yaml)
+        for name, content in files.items():
+            (run_dir / name).write_bytes(content)
         (run_dir / "deepspeed.json").write_text(json.dumps(deepspeed_config(cfg, dist.world_size()), indent=2))
     dist.barrier()
-    return {"config.yaml": config_yaml.encode(), TOKENIZER_FILE: Path(tokenizer.path).read_bytes()}
+    return files
 
 
 def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
     """Check, build, restore, then write the run's files and open its reporter."""
     checked = _checks(cfg)
     faults = FaultInjector(cfg.debug)
-    model = _build_model(cfg, checked.init_from)
+    model = _build_model(cfg, checked)
     plan = plan_resume(checked.resume_from, cfg, checked.tokenizer, faults) if checked.resume_from else None
     engine = build_engine(model, cfg, dist.world_size(), load_universal=plan is not None and plan.universal)
     layout_step = plan.layout_step if plan else 0
@@ -303,7 +347,7 @@ def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
     else:
         progress = Progress()
         checkpoint.seed_all(cfg.seed + 1 + dist.rank())  # per-rank streams for anything random after init
-    files = _write_run_files(cfg, checked.tokenizer)
+    files = _write_run_files(cfg, checked)
     run_dir = Path(cfg.run_dir)
     reporter = Reporter(cfg.logger, run_dir, cfg.name, OmegaConf.to_container(OmegaConf.structured(cfg)),
                         enabled=dist.is_main(), resumed_step=progress.step, kept_records=checked.metrics_kept,

@@ -42,6 +42,7 @@ from errors import ConfigError, UserError
 from hf.names import hf_names, llama_hf_names
 from model import GPT, ModelConfig
 from model.config import RopeScaling
+from model.convert import check_conversion
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -335,22 +336,26 @@ def _show(value: Any) -> str:
 
 def combine(source: ModelConfig, requested: ModelConfig, where: str) -> ModelConfig:
     """The model config of a run whose weights come from `source` (a directory's, `where`), given
-    the composed `requested` one: the fields in `FIXED` are the source's, and a requested value
+    the composed `requested` one. The fields in `FIXED` are the source's, and a requested value
     that is not the schema's default and disagrees is refused (`ConfigError`, exit 2: the weights
-    fix it); `max_seq_len`, `rope_scaling` and `rope_base` are the requested ones where set (not
-    the default), else the source's; every other field (activation checkpointing, document masking,
-    init_std) is the requested one. A value equal to the default cannot be told from no override: it reads
-    as none (the composed config keeps no trace of the command line)."""
-    chosen = {}
+    fix it), but for `attention` and `coca_form`: another attention converts the weights
+    (`model.convert`: Origin to CoCA or ALiBi; any other is refused there). `max_seq_len`,
+    `rope_scaling` and `rope_base` are the requested ones where set (not the default), else the
+    source's; every other field (activation checkpointing, document masking, init_std) is the
+    requested one. A value equal to the default cannot be told from no override: it reads as none
+    (the composed config keeps no trace of the command line)."""
+    attention = requested.attention if requested.attention != _MODEL_DEFAULTS["attention"] else source.attention
+    same_form = source.coca_form if source.attention == "coca" else _MODEL_DEFAULTS["coca_form"]
+    form = requested.coca_form if requested.coca_form != _MODEL_DEFAULTS["coca_form"] else same_form
+    chosen = {"attention": attention, "coca_form": form}  # another attention converts the weights
     for name in FIXED:
+        if name in chosen:
+            continue
         theirs, ours = getattr(source, name), getattr(requested, name)
         if name == "n_kv_head":
             theirs, ours = source.kv_heads, requested.n_kv_head
-        if ours == _MODEL_DEFAULTS[name] or ours == theirs or (name == "coca_form" and source.attention != "coca"):
+        if ours == _MODEL_DEFAULTS[name] or ours == theirs:
             continue
-        if name == "attention":
-            raise ConfigError(f"model.attention={ours}: {where} holds {source.attention} weights; continuing them "
-                              f"under another attention (e.g. Origin to CoCA) is not built yet")
         if isinstance(ours, float) and isinstance(theirs, float) and math.isclose(ours, theirs, rel_tol=1e-12):
             continue
         raise ConfigError(f"model.{name}={_show(ours)} disagrees with {where}, whose weights fix "
@@ -359,6 +364,8 @@ def combine(source: ModelConfig, requested: ModelConfig, where: str) -> ModelCon
         ours = getattr(requested, name)
         chosen[name] = ours if ours != _MODEL_DEFAULTS[name] else getattr(source, name)
     try:
-        return replace(requested, **{name: getattr(source, name) for name in FIXED}, **chosen)
+        combined = replace(requested, **{**{name: getattr(source, name) for name in FIXED}, **chosen})
     except ValueError as error:
         raise ConfigError(f"{error} (with the model of {where})") from None
+    check_conversion(source, combined)  # only Origin converts, to CoCA or ALiBi (`model.convert`)
+    return combined

@@ -23,13 +23,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from errors import ConfigError
+
 from .config import ModelConfig
 
 T_INITS = ("from_k", "fresh")
 
 
-class ConversionError(ValueError):
-    """A conversion that cannot make sense; one line that says why."""
+class ConversionError(ConfigError):
+    """A conversion that cannot make sense; one line that says why (a usage error: exit 2)."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -269,7 +270,8 @@ def test_missing_misshapen_and_unexpected_tensors_are_named(tmp_path):
 
 def test_a_directory_config_combines_with_the_command_line():
     """The directory fixes the shapes and the function; the run sets the length, a RoPE scaling or
-    base, masking; a disagreeing shape override, or another attention, is refused (exit 2)."""
+    base, masking, another attention (converted from Origin); a disagreeing shape override, or a
+    conversion that cannot make sense, is refused (exit 2)."""
     source = ModelConfig(arch="llama", parallel_residual=False, vocab_size=520, n_layer=2, n_head=4, n_kv_head=2,
                          n_embd=32, ffn_hidden=48, max_seq_len=64, rope_base=5e5, tie_embeddings=True)
     got = combine(source, ModelConfig(), "d/config.json")
@@ -286,8 +288,11 @@ def test_a_directory_config_combines_with_the_command_line():
         combine(source, ModelConfig(n_layer=6), "d/config.json")
     with pytest.raises(ConfigError, match="model.vocab_size=512 disagrees"):
         combine(source, ModelConfig(vocab_size=512), "d/config.json")
-    with pytest.raises(ConfigError, match="model.attention=coca: d/config.json holds origin weights; .* not built"):
-        combine(source, ModelConfig(attention="coca"), "d/config.json")
+    converted = combine(source, ModelConfig(attention="coca", coca_form="strict"), "d/config.json")
+    assert (converted.attention, converted.coca_form) == ("coca", "strict")  # the weights are converted
+    assert combine(source, ModelConfig(attention="alibi"), "d/config.json").attention == "alibi"
+    with pytest.raises(ConfigError, match="cannot convert attention=alibi into attention=coca: only Origin"):
+        combine(replace(source, attention="alibi"), ModelConfig(attention="coca"), "d/config.json")
     assert ConfigError.exit_code == 2
 
 

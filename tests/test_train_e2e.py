@@ -222,6 +222,37 @@ def test_a_run_continued_at_a_longer_length_carries_the_weights_and_restarts_the
     assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {5.0}
 
 
+def test_init_from_an_origin_run_converts_it_to_coca_or_alibi(reference, cache, tmp_path):
+    """init_from with another attention converts the weights (`model.convert`): the first step's
+    loss is the converted model's on that step's blocks, for CoCA with T from K or fresh and for
+    ALiBi; a conversion that cannot make sense (from CoCA) is one line, exit 2, nothing written."""
+    import json
+
+    from model.convert import convert
+
+    source, source_cfg, _ = load_model(str(reference))
+    first_losses = {}
+    for attention, t_init in (("coca", "from_k"), ("coca", "fresh"), ("alibi", "from_k")):
+        run_dir = tmp_path / f"{attention}_{t_init}"
+        result = ok(train(run_dir, cache, f"init_from={reference}", f"model.attention={attention}",
+                          f"t_init={t_init}", "max_steps=2", "eval_every=2", "ckpt_every=2"))
+        assert f"origin converted to {attention}" in result.stderr
+        cfg = to_train_config(OmegaConf.load(run_dir / "config.yaml"))
+        state, _ = convert(source.state_dict(), source_cfg.model, cfg.model, t_init, seed=cfg.seed)
+        converted = GPT(cfg.model)
+        converted.load_state_dict(state)
+        batch = torch.tensor(json.loads(blocks(run_dir)[0])["tokens"])
+        with torch.no_grad():
+            expected = converted.eval()(batch[:, :-1], batch[:, 1:]).item()
+        first_losses[attention, t_init] = losses(run_dir)[1]
+        assert first_losses[attention, t_init] == pytest.approx(expected, rel=1e-5)
+    assert first_losses["coca", "from_k"] != first_losses["coca", "fresh"]
+    refused = train(tmp_path / "refused", cache, f"init_from={tmp_path / 'coca_from_k'}", "model.attention=alibi")
+    assert refused.returncode == 2
+    assert "cannot convert attention=coca into attention=alibi: only Origin (RoPE)" in error_line(refused)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_sigterm_saves_then_exits(cache, tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, cache, "debug.step_sleep_s=0.2", "ckpt_every=100")

@@ -255,6 +255,15 @@ def saved_config(ckpt: Path):
         ) from None
 
 
+def saved_model(ckpt: Path) -> ModelConfig:
+    """The model config stored in a checkpoint, as a `ModelConfig` (fields it predates defaulted)."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved_config(ckpt).model))
+    except (ValueError, TypeError, OmegaConfBaseException) as error:
+        raise CheckpointError(f"checkpoint {ckpt}: its model config is unreadable ({first_line(error)})"
+                              f"{older_hint(ckpt)}") from None
+
+
 def marker(ckpt: Path) -> dict[str, Any]:
     """The `COMPLETE` marker's fields (older checkpoints hold only step and world_size)."""
     try:

@@ -18,6 +18,7 @@ from data.cli import compose_tree, validated
 from data.config import DataConfig
 from errors import ConfigError
 from model.config import FLAVORS, ModelConfig, flavor
+from model.convert import T_INITS
 
 __all__ = ["ConfigError", "TrainConfig", "compose", "register_configs", "to_train_config"]  # ConfigError: errors.py
 
@@ -145,7 +146,10 @@ class TrainConfig:
     batch_size: global sequences per optimizer step; micro_batch_size: per rank per forward.
     Gradient accumulation is batch_size / (micro_batch_size * world size).
     resume: null (fresh run), auto (newest complete checkpoint in run_dir, if any) or a path.
-    init_from: a run or checkpoint directory whose weights (only) start this run.
+    init_from: a run or checkpoint directory, or a Hugging Face directory, whose weights (only)
+        start this run; with another `model.attention` they are converted (`model.convert`).
+    t_init: where CoCA's T starts when init_from converts an Origin model to CoCA: from_k (T = K)
+        or fresh (drawn as the model initialises K).
     nonfinite: stop (exit with an error) or skip (drop the batch) on a non-finite loss.
     compile: torch.compile each transformer block (fuses its element-wise work; the first steps
         take longer while it compiles). Parameter names and checkpoints are unchanged.
@@ -169,6 +173,7 @@ class TrainConfig:
     keep_last: int = 2
     resume: Optional[str] = None
     init_from: Optional[str] = None
+    t_init: str = "from_k"
     nonfinite: str = "stop"
     compile: bool = False
 
@@ -181,6 +186,7 @@ class TrainConfig:
                 f"batch_size={self.batch_size} must be a multiple of micro_batch_size={self.micro_batch_size}"
             )
         _one_of("nonfinite", self.nonfinite, NONFINITE)
+        _one_of("t_init", self.t_init, T_INITS)
         if self.resume is not None and self.init_from is not None:
             raise ValueError("resume and init_from are exclusive: resume continues a run, init_from starts one")
 

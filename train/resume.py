@@ -55,6 +55,7 @@ RULES: dict[str, tuple[str, str]] = {
     "run_dir": (HONOUR, "where this run writes; resume=<path> may read another run's checkpoint"),
     "resume": (HONOUR, "how the checkpoint is found"),
     "init_from": (HONOUR, "exclusive with resume"),
+    "t_init": (HONOUR, "acts only when init_from starts a run"),
     "model": (REFUSE, _FUNCTION),
     "model.arch": (REFUSE, "it fixes the parameter shapes"),
     "model.vocab_size": (REFUSE, "it fixes the parameter shapes"),

@@ -28,6 +28,7 @@ from data.tokenizer import get_tokenizer, load_tokenizer
 from hf.imports import HFImportError, combine
 from hf.imports import state_dict as hf_state_dict
 from model import GPT
+from model.convert import convert
 from train import checkpoint, resume
 from train import distributed as dist
 from train.checkpointer import Checkpointer, Progress
@@ -301,15 +302,33 @@ def _build_model(cfg: TrainConfig, checked: _Checked) -> GPT:
     read in fp32) when given: a fresh run from them (step 0, a new optimizer)."""
     checkpoint.seed_all(cfg.seed)
     model = GPT(cfg.model)
-    source = checked.source
-    if checked.init_from is not None and source is not None and source.hf is not None:
-        model.load_state_dict(hf_state_dict(source.hf))
-    elif checked.init_from is not None:
-        checkpoint.check_compatible(checked.init_from, cfg.model)
-        model.load_state_dict(fp32_state_dict(checked.init_from))
+    if checked.init_from is not None:
+        model.load_state_dict(_initial_state(cfg, checked))
     if cfg.compile:
         model.compile_blocks()
     return model
+
+
+def _initial_state(cfg: TrainConfig, checked: _Checked) -> dict[str, torch.Tensor]:
+    """init_from's weights, converted where this run has another attention (`model.convert`:
+    Origin to CoCA, T per `t_init`, or to ALiBi), which it then says on stderr (rank 0)."""
+    source = checked.source
+    if source is not None and source.hf is not None:
+        state, source_model = hf_state_dict(source.hf), source.model
+    else:
+        source_model = checkpoint.saved_model(checked.init_from)
+        if source_model.attention == cfg.model.attention:
+            checkpoint.check_compatible(checked.init_from, cfg.model)
+        state = fp32_state_dict(checked.init_from)
+    if source_model.attention == cfg.model.attention:
+        return state
+    state, done = convert(state, source_model, cfg.model, cfg.t_init, seed=cfg.seed)
+    if dist.is_main():
+        target = cfg.model.attention + (f" {cfg.model.coca_form}" if cfg.model.attention == "coca" else "")
+        t_init = f" (t_init={cfg.t_init})" if cfg.model.attention == "coca" else ""
+        print(f"init_from {checked.init_from}: {source_model.attention} converted to {target}{t_init}: "
+              f"{done.describe()}", file=sys.stderr)
+    return state
 
 
 def _write_run_files(cfg: TrainConfig, checked: _Checked) -> dict[str, bytes]:

@@ -160,6 +160,36 @@ def test_llama_directory_gives_llama_logits(tmp_path, tied, kv, shard):
     torch.testing.assert_close(got, hf_logits(path, idx), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["pythia", "llama-gqa-untied", "llama-tied"])
+def test_import_then_export_gives_back_the_same_tensors_and_logits(kind, tok, tmp_path):
+    """A Hugging Face directory imported (`import_hf`) and exported again (`hf.export.export_hf`)
+    holds the same tensors, bitwise, under the same names (GPT-NeoX's head is written `lm_head`,
+    which transformers reads as its `embed_out`), and transformers' logits are the same."""
+    from safetensors.torch import load_file
+
+    from hf.export import export_hf
+    from hf.imports import tensor_files
+
+    if kind == "pythia":
+        source = neox_dir(tmp_path / "src", vocab=tok.vocab_size)
+    else:
+        source = llama_dir(tmp_path / "src", tok, vocab=tok.vocab_size, tied=kind == "llama-tied")
+    cfg, state = import_hf(source)
+    model = GPT(cfg)
+    model.load_state_dict(state)
+    out = export_hf(model, tok, tmp_path / "out")
+    original = {}
+    for file in set(tensor_files(source).values()):
+        original.update(load_file(str(file)))
+    exported = load_file(str(out / "model.safetensors"))
+    if "embed_out.weight" in original:  # GPT-NeoX's head: transformers saves `embed_out`, reads both
+        original["lm_head.weight"] = original.pop("embed_out.weight")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[name], original[name]) for name in original)
+    idx = _idx(tok.vocab_size)
+    torch.testing.assert_close(hf_logits(out, idx), hf_logits(source, idx), rtol=0, atol=0)
+
+
 def test_legacy_config_fields_read_as_the_new_ones(tmp_path):
     """A transformers-4 config.json (Pythia's on the hub: rotary_pct, rotary_emb_base, no
     rope_parameters) gives the same model config as transformers 5's."""

@@ -154,11 +154,12 @@ def test_every_readme_command_is_checked():
 
 
 def test_the_closure_follows_project_modules_and_deferred_imports():
-    """The reader sees through the project: `train.export_hf` reaches safetensors only through
-    hf.export, and tokenizers only inside a function there."""
+    """The reader sees through the project: `train.export_hf` imports neither safetensors nor
+    tokenizers itself; it reaches them through hf/ and data/, tokenizers only inside functions
+    there (which of the importing modules is found first depends on the traversal order)."""
     found = third_party_imports("train.export_hf")
-    assert found["safetensors"] == "hf.export"
-    assert found["tokenizers"] == "hf.export"
+    assert found["safetensors"] in ("hf.export", "hf.imports", "hf.names")
+    assert found["tokenizers"] in ("hf.export", "data.tokenizer")
     assert "deepspeed" in third_party_imports("train")
 
 

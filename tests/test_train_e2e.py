@@ -358,18 +358,19 @@ def test_common_mistakes_fail_before_deepspeed_is_imported(tmp_path):
     (existing / "checkpoints" / "step_00000005").mkdir(parents=True)
     (existing / "checkpoints" / "step_00000005" / "COMPLETE").write_text("{}")
     (tmp_path / "afile").write_text("x")
-    cases = {
-        "already holds checkpoints": [f"run_dir={existing}"],
-        "no file matches": [f"run_dir={tmp_path / 'new'}", f"data.sources=[{{kind:files,path:{tmp_path}/none.jsonl}}]"],
-        "is a file, not a directory": [f"run_dir={tmp_path / 'afile'}"],
+    cases = {  # errors.py's rule: 1 for an unusable input, 2 for a file given where a directory is asked
+        "already holds checkpoints": ([f"run_dir={existing}"], "1"),
+        "no file matches": ([f"run_dir={tmp_path / 'new'}",
+                             f"data.sources=[{{kind:files,path:{tmp_path}/none.jsonl}}]"], "1"),
+        "is a file, not a directory": ([f"run_dir={tmp_path / 'afile'}"], "2"),
     }
     code = ("import sys; from train.__main__ import main; code = main(sys.argv[1:]); "
             "print('deepspeed' in sys.modules, code)")
-    for words, overrides in cases.items():
+    for words, (overrides, exit_code) in cases.items():
         result = subprocess.run([sys.executable, "-c", code, *MICRO, f"data.cache_dir={tmp_path / 'cache'}",
                                  *overrides], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                                 timeout=TIMEOUT)
-        assert result.stdout.split() == ["False", "1"], (words, result.stdout, result.stderr[-2000:])
+        assert result.stdout.split() == ["False", exit_code], (words, result.stdout, result.stderr[-2000:])
         assert words in error_line(result)
     assert not (tmp_path / "new").exists() and not (tmp_path / "cache").exists()
 

@@ -28,7 +28,7 @@ from train.checkpoint import complete_checkpoints
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_STEPS = 10
+MAX_STEPS = 20  # room after a late stop: a stage waits for 2 steps past the previous stop
 RUN = ["experiment=micro", "logger=none", "logger.progress=false", f"max_steps={MAX_STEPS}", "eval_every=100",
        "ckpt_every=100", "data.num_workers=1"]
 SLOW = "debug.step_sleep_s=0.5"

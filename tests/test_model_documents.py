@@ -54,6 +54,17 @@ def reference_block_causal(scores: torch.Tensor, docs: torch.Tensor, v: torch.Te
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
+def assert_each_document_alone(model: GPT, lengths: list[int], seed: int) -> None:
+    """A packed row's logits, document by document, equal each document's own run (1e-10)."""
+    idx, docs = packed_row(lengths, seed=seed)
+    packed = model(idx, documents=docs)
+    start = 0
+    for n in lengths:
+        alone = model(idx[:, start : start + n])  # one document: no `documents` needed
+        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-10, atol=1e-10)
+        start += n
+
+
 def test_starts_and_positions():
     docs = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3], [5, 5, 5, 5, 5, 5, 5, 6]])
     assert starts(docs).tolist() == [[0, 0, 0, 3, 3, 5, 6, 6], [0, 0, 0, 0, 0, 0, 0, 7]]
@@ -63,30 +74,14 @@ def test_starts_and_positions():
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_row_equals_each_document_alone(kind):
     """doc_positions on: the packed row's logits are each document's own, for every attention."""
-    model = random_model(config(kind, doc_mask=True, doc_positions=True))
-    lengths = [7, 1, 12, 5, 9]
-    idx, docs = packed_row(lengths, seed=1)
-    packed = model(idx, documents=docs)
-    start = 0
-    for n in lengths:
-        alone = model(idx[:, start : start + n])  # one document: no `documents` needed
-        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-10, atol=1e-10)
-        start += n
+    assert_each_document_alone(random_model(config(kind, doc_mask=True, doc_positions=True)), [7, 1, 12, 5, 9], 1)
 
 
 @pytest.mark.parametrize("kind", ["origin", "strict", "alibi"])
 def test_relative_attentions_ignore_the_offset(kind):
     """doc_positions off: Origin, CoCA strict and ALiBi score by distance only, so a document at
     its offset gives its own logits too (CoCA slack does not: the layer test covers it)."""
-    model = random_model(config(kind, doc_mask=True))
-    lengths = [6, 10, 4]
-    idx, docs = packed_row(lengths, seed=2)
-    packed = model(idx, documents=docs)
-    start = 0
-    for n in lengths:
-        torch.testing.assert_close(packed[:, start : start + n], model(idx[:, start : start + n]),
-                                   rtol=1e-10, atol=1e-10)
-        start += n
+    assert_each_document_alone(random_model(config(kind, doc_mask=True)), [6, 10, 4], 2)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from test_model_attention import per_query_head, reference_attention, reference_scores
-from test_model_documents import packed_row, reference_block_causal
+from test_model_documents import assert_each_document_alone, reference_block_causal
 
 from hf.names import llama_hf_names
 from model import GPT, KVCache, ModelConfig, count_parameters, flavor
@@ -139,15 +139,7 @@ def test_gqa_layer_matches_reference(kind, kv_heads, with_documents):
 @pytest.mark.parametrize("kind", KINDS)
 def test_packed_row_equals_each_document_alone(kind):
     """doc_positions on: a packed row's logits are each document's own, on arch=llama with GQA."""
-    model = randomised(llama(kind, doc_mask=True, doc_positions=True))
-    lengths = [7, 1, 12, 5, 9]
-    idx, docs = packed_row(lengths, seed=1)
-    packed = model(idx, documents=docs)
-    start = 0
-    for n in lengths:
-        alone = model(idx[:, start : start + n])
-        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-10, atol=1e-10)
-        start += n
+    assert_each_document_alone(randomised(llama(kind, doc_mask=True, doc_positions=True)), [7, 1, 12, 5, 9], 1)
 
 
 @pytest.mark.slow

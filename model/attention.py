@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .documents import Documents, segment_attention
+from .documents import Documents, causal_segments, segment_attention
 from .transforms import RopeTables, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie, origin_qk
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
@@ -76,10 +76,6 @@ def causal_attention(q, k, v, alibi: bool = False, documents: Documents | None =
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def _causal(q, k, v) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=_gqa(q, k))
 
 
 def alibi_attention(q, k, v) -> torch.Tensor:
@@ -170,7 +166,9 @@ def _document_attention(q, k, v, documents: Documents, alibi: bool) -> torch.Ten
         raise ValueError(f"document masking needs q and k of one length (no KV cache) and documents [B, T]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.ids.shape)}")
     if not q.is_cuda:
-        return segment_attention(q, k, v, documents.ids, _chunked_alibi if alibi else _causal)
+        if alibi:
+            return segment_attention(q, k, v, documents.ids, _chunked_alibi)
+        return causal_segments(q, k, v, documents.ids)
     mod = _alibi_score_mod(q.shape[1], str(q.device)) if alibi else None
     return _compiled_flex()(q, k, v, score_mod=mod, block_mask=documents.block_mask, enable_gqa=_gqa(q, k))
 

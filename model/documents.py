@@ -10,9 +10,12 @@ Two kernels, both exact and neither building an N x N tensor:
   booleans, tiles of 128 tokens): a tile pair is skipped when its documents cannot meet, computed
   without a mask where one document covers both tiles, and masked element-wise only on the tiles
   that hold a boundary or the diagonal. ALiBi is its score modification.
-- CPU: the model's causal kernel on each document of a row (`segment_attention`): no mask at all,
-  so memory stays that of causal attention and time at most that (documents are shorter than
-  rows). A masked kernel would not do: CPU SDPA keeps a float32 copy of its mask for backward.
+- CPU: causal attention on each document of a row, nothing masked (`segments`): the flash
+  kernel's own forward and backward per document, written into one output and one set of
+  gradients (`causal_segments`), so memory stays that of the fused kernel on the whole row and
+  time at most that (documents are shorter than rows); ALiBi's chunked kernel on each document
+  (`segment_attention`). A masked kernel would not do: CPU SDPA keeps a float32 copy of its mask
+  for backward.
 
 Positions restarting at each document (`model.doc_positions`) are `positions`. ALiBi's bias
 -slope * (m - n) depends on the distance only, so it counts from the document start either way.
@@ -21,7 +24,9 @@ Positions restarting at each document (`model.doc_positions`) are `positions`. A
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,46 +61,122 @@ def positions(documents: torch.Tensor) -> torch.Tensor:
 # ---- CPU: one causal attention per document -------------------------------------------------------
 
 
-def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> torch.Tensor:
-    """Document-masked attention as plain causal attention `attend(q, k, v)` on each document.
+@dataclass(frozen=True)
+class Segment:
+    """Rows `rows`, tokens `tokens` of a batch that attend only within themselves: one document
+    each, or (`values`) a run of one-token documents, whose outputs are their values (softmax over
+    one key is 1)."""
 
-    Consecutive rows that are one document each go through `attend` together, as slices (views,
-    no copies: the fused kernel, as unmasked); in the other rows each document of two or more
-    tokens is its own call, and runs of one-token documents (a synthetic row's padding EOS) are
-    their values (softmax over one key is 1). Nothing is masked, so memory and time are those of
-    causal attention on the pieces. Under GQA (v with fewer heads than q) a one-token document's
-    output is its kv head's value in each query head of the group.
+    rows: slice
+    tokens: slice
+    values: bool = False
+
+
+def segments(documents: torch.Tensor) -> list[Segment] | None:
+    """The batch as segments of causal attention, in row-major order; None when every row is one
+    document.
+
+    Consecutive rows that are one document each form one segment (the fused kernel on all of them
+    at once); in the other rows each document of two or more tokens is a segment, and so is each
+    run of one-token documents (a synthetic row's padding EOS).
     """
     B, T = documents.shape
-    group = q.shape[1] // v.shape[1]
     first = torch.ones_like(documents, dtype=torch.bool)
     first[:, 1:] = documents[:, 1:] != documents[:, :-1]
     single = (first.sum(dim=-1) == 1).tolist()
     if all(single):
-        return attend(q, k, v)
-    out, b = [], 0
+        return None
+    plan, b = [], 0
     while b < B:
         if single[b]:
             end = b + 1
             while end < B and single[end]:
                 end += 1
-            out.append(attend(q[b:end], k[b:end], v[b:end]))
+            plan.append(Segment(slice(b, end), slice(0, T)))
             b = end
             continue
+        row = slice(b, b + 1)
         bounds = [*first[b].nonzero().flatten().tolist(), T]
-        pieces, singles_from = [], None  # a run of one-token documents: their values, in one slice
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            if hi - lo == 1:
-                singles_from = lo if singles_from is None else singles_from
-                continue
-            if singles_from is not None:
-                pieces.append(_per_query_head(v[b : b + 1, :, singles_from:lo], group))
-                singles_from = None
-            pieces.append(attend(q[b : b + 1, :, lo:hi], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi]))
-        if singles_from is not None:
-            pieces.append(_per_query_head(v[b : b + 1, :, singles_from:T], group))
-        out.append(torch.cat(pieces, dim=-2))
+            if hi - lo == 1 and plan and plan[-1].values and plan[-1].rows == row:  # extends a run
+                plan[-1] = Segment(row, slice(plan[-1].tokens.start, hi), True)
+            else:
+                plan.append(Segment(row, slice(lo, hi), hi - lo == 1))
         b += 1
+    return plan
+
+
+def causal_segments(q, k, v, documents: torch.Tensor) -> torch.Tensor:
+    """Document-masked attention as the CPU flash kernel's causal attention on each segment.
+
+    The kernel's own forward and backward run on each segment (views, no copies) and write into
+    one output and one set of gradients, so time is that of causal attention on the pieces (at
+    most that of the rows) and memory that of the fused kernel on the whole batch: nothing is
+    masked, concatenated or zero-padded per piece.
+    """
+    plan = segments(documents)
+    if plan is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    return _CausalSegments.apply(q, k, v, plan)
+
+
+class _CausalSegments(torch.autograd.Function):
+    """`causal_segments` with gradients: the saved output and log-sum-exp are the kernel's, as in
+    SDPA's own backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: list[Segment]):
+        B, H, T, D = q.shape
+        group = H // k.shape[1]
+        out = q.new_empty(B, T, H, D).transpose(1, 2)  # the kernel's layout: [B, T, C] is a view
+        lse = q.new_zeros(B, H, T, dtype=torch.promote_types(q.dtype, torch.float32))  # the kernel's
+        for seg in plan:
+            at = (seg.rows, slice(None), seg.tokens)
+            if seg.values:
+                out[at] = _per_query_head(v[at], group)
+            else:
+                out[at], lse[at] = _FLASH(q[at], k[at], v[at], 0.0, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = q.shape[1] // k.shape[1]
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for seg in ctx.plan:
+            at = (seg.rows, slice(None), seg.tokens)
+            if seg.values:  # out = v: only the values get a gradient, summed over each kv head's group
+                grad_q[at], grad_k[at] = 0.0, 0.0
+                grad_v[at] = grad[at].unflatten(1, (-1, group)).sum(dim=2) if group > 1 else grad[at]
+            else:
+                grad_q[at], grad_k[at], grad_v[at] = _FLASH_BACKWARD(
+                    grad[at], q[at], k[at], v[at], out[at], lse[at], 0.0, True)
+        return grad_q, grad_k, grad_v, None
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # what SDPA runs on CPU
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> torch.Tensor:
+    """Document-masked attention as a causal kernel `attend(q, k, v)` on each segment (for ALiBi,
+    whose chunked kernel bounds its own memory): the pieces are splits of q, k, v and the output
+    their concatenation."""
+    plan = segments(documents)
+    if plan is None:
+        return attend(q, k, v)
+    group = q.shape[1] // v.shape[1]
+    rows = [(key, list(pieces)) for key, pieces in itertools.groupby(plan, key=lambda seg: seg.rows)]
+    sizes = [key.stop - key.start for key, _ in rows]
+    out = []
+    for (_, pieces), q_rows, k_rows, v_rows in zip(rows, q.split(sizes), k.split(sizes), v.split(sizes)):
+        lengths = [seg.tokens.stop - seg.tokens.start for seg in pieces]
+        splits = (x.split(lengths, dim=-2) for x in (q_rows, k_rows, v_rows))
+        parts = [_per_query_head(vp, group) if seg.values else attend(qp, kp, vp)
+                 for seg, qp, kp, vp in zip(pieces, *splits)]
+        out.append(torch.cat(parts, dim=-2))
     return torch.cat(out)
 
 

@@ -171,6 +171,29 @@ def test_cpu_kernel_keeps_linear_memory_for_backward(alibi):
     assert saved_bytes(2048) <= 2.2 * saved_bytes(1024)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_kernel_in_half_precision_matches_each_document_alone(dtype):
+    """Training in bf16/fp16: the packed row's output and gradients are those of the fused causal
+    kernel on each document alone, at that precision (the kernel's log-sum-exp stays float32)."""
+    torch.manual_seed(0)
+    docs = torch.tensor([[0] * 40 + [1] * 25 + [2] + [3] * 30, [5] * 96])
+    pieces = [(0, 0, 40), (0, 40, 65), (0, 65, 66), (0, 66, 96), (1, 0, 96)]
+    q, k, v = (torch.randn(2, 4, 96, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    out = causal_attention(q, k, v, documents=Documents(docs))
+    weights = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), weights)
+    want_out, want = torch.zeros_like(out), [torch.zeros_like(x) for x in (q, k, v)]
+    for row, lo, hi in pieces:
+        alone = [x[row : row + 1, :, lo:hi].detach().requires_grad_() for x in (q, k, v)]
+        piece = torch.nn.functional.scaled_dot_product_attention(*alone, is_causal=True)
+        want_out[row : row + 1, :, lo:hi] = piece
+        for total, grad in zip(want, torch.autograd.grad(piece, alone, weights[row : row + 1, :, lo:hi])):
+            total[row : row + 1, :, lo:hi] = grad
+    torch.testing.assert_close(out, want_out)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+
+
 # ---- the GPU kernel's block mask, checked element by element on CPU ------------------------------------------
 
 

@@ -10,10 +10,13 @@ tokenizer), as the training stream packs them; the table gives the documents per
 case is today's path (fused `is_causal` SDPA; ALiBi's own kernel).
 
 Time is the best of `--repeats` after a warm-up, masked and unmasked timed round-robin in one
-process; memory is the peak growth of one run (`bench.attention`'s method: on CPU the resident-set
-peak of a fresh subprocess, the least of `--memory-repeats`, since it varies by tens of MiB from
-run to run; on GPU `max_memory_allocated`). Targets: masked / unmasked at most
-1.3x time and 1.1x memory on CPU, 1.1x time on GPU.
+process; memory is the peak growth of one run: on GPU `max_memory_allocated`; on CPU the
+resident-set peak of a fresh subprocess (`bench.attention`'s method), the least of
+`--memory-repeats`, with glibc's mmap threshold fixed at 1 MiB (`MALLOC_MMAP_THRESHOLD_`) so that
+every tensor of a MiB or more is its own mapping, returned to the system when freed, and the peak
+tracks the live tensors: masked and unmasked differ by a few MiB, and with glibc's moving
+threshold the peak of one case varied by tens of MiB from run to run. Targets: masked / unmasked
+at most 1.3x time and 1.1x memory on CPU, 1.1x time on GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -34,6 +38,7 @@ from model.documents import Documents
 from model.transforms import Rope
 
 ATTENTIONS = ("origin", "alibi", "coca-slack", "coca-strict")
+WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}  # see the module docstring
 
 
 def packed_documents(n: int, batch: int, args) -> torch.Tensor:
@@ -122,7 +127,7 @@ def measure(n: int, args) -> dict[tuple[str, bool], dict]:
                *worker_flags(args)]
         runs = []
         for _ in range(args.memory_repeats):  # the resident-set peak varies by a few tens of MiB
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=WORKER_ENV)
             if done.returncode:
                 raise RuntimeError(f"{attention} masked={masked} at N={n} failed:\n{done.stderr[-2000:]}")
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))

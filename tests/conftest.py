@@ -2,6 +2,7 @@
 trained micro run that the modules reading a trained run (evaluation, generation) share instead of
 each training their own."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ from data.tokenizer import Tokenizer, get_tokenizer
 from run_checks import clean_env
 
 REPO = Path(__file__).resolve().parents[1]
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # pytest -n N: the cores are shared among N workers
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture

@@ -384,14 +384,18 @@ def _free_port() -> int:
 SHORT = ("batch_size=4", "max_steps=8", "eval_every=8", "ckpt_every=4")
 
 
-def deepspeed_command(run_dir: Path, cache: Path, *overrides: str) -> list[str]:
-    return ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "train",
+def deepspeed_command(run_dir: Path, cache: Path, *overrides: str, port: int | None = None) -> list[str]:
+    return ["deepspeed", "--num_gpus", "2", "--master_port", str(port or _free_port()), "--module", "train",
             *_command(run_dir, cache, overrides)]
 
 
-def train_two_ranks(run_dir: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(deepspeed_command(run_dir, cache, *overrides), cwd=REPO, env=clean_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT)
+def train_two_ranks(run_dir: Path, cache: Path, *overrides: str,
+                    port: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(deepspeed_command(run_dir, cache, *overrides, port=port), cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+TWO_RANK_PORTS: dict[int, int] = {}  # the `two_ranks` runs' MASTER_PORT, by ZeRO stage
 
 
 @pytest.fixture(scope="module")
@@ -400,8 +404,34 @@ def two_ranks(tmp_path_factory, cache) -> dict[int, Path]:
     runs = {}
     for stage, micro in [(0, 2), (1, 2), (2, 1), (3, 2)]:
         runs[stage] = tmp_path_factory.mktemp(f"zero{stage}") / "run"
-        ok(train_two_ranks(runs[stage], cache, f"deepspeed=zero{stage}", f"micro_batch_size={micro}", *SHORT))
+        TWO_RANK_PORTS[stage] = _free_port()
+        ok(train_two_ranks(runs[stage], cache, f"deepspeed=zero{stage}", f"micro_batch_size={micro}", *SHORT,
+                           port=TWO_RANK_PORTS[stage]))
     return runs
+
+
+def test_two_rank_runs_leave_no_shared_memory(two_ranks):
+    """DeepSpeed's CPU all-reduce gives each rank a 66 MB buffer in /dev/shm (RAM) and never removes
+    it; `train.distributed.init` removes the names once every rank has mapped them, so nothing is
+    left (the next test checks that the name is the one DeepSpeed's op creates)."""
+    for port in TWO_RANK_PORTS.values():
+        for rank in (0, 1):
+            assert not (Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}").exists()
+
+
+def test_shm_buffer_names_the_buffer_deepspeeds_op_creates(cache):
+    """`train.distributed.shm_buffer` is the file DeepSpeed's CPU op creates: the op itself, on one
+    rank, in a subprocess (its state is per process)."""
+    code = ("from deepspeed.comm.torch import build_shm_op\n"
+            "from train.distributed import shm_buffer\n"
+            "build_shm_op().initialize(1, 0)\n"
+            "path = shm_buffer(0)\n"
+            "print(path.exists())\n"
+            "path.unlink(missing_ok=True)\n")
+    env = clean_env(LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    done = ok(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=TIMEOUT))
+    assert done.stdout.strip().splitlines()[-1] == "True"
 
 
 def test_two_ranks_zero_0_1_2_3_agree(two_ranks, cache, tmp_path):

@@ -419,19 +419,18 @@ def test_two_rank_runs_leave_no_shared_memory(two_ranks):
             assert not (Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}").exists()
 
 
-def test_shm_buffer_names_the_buffer_deepspeeds_op_creates(cache):
-    """`train.distributed.shm_buffer` is the file DeepSpeed's CPU op creates: the op itself, on one
-    rank, in a subprocess (its state is per process)."""
-    code = ("from deepspeed.comm.torch import build_shm_op\n"
-            "from train.distributed import shm_buffer\n"
-            "build_shm_op().initialize(1, 0)\n"
-            "path = shm_buffer(0)\n"
-            "print(path.exists())\n"
-            "path.unlink(missing_ok=True)\n")
-    env = clean_env(LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    done = ok(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=TIMEOUT))
-    assert done.stdout.strip().splitlines()[-1] == "True"
+def test_one_rank_under_a_launcher_leaves_no_shared_memory():
+    """One rank that a launcher started (LOCAL_SIZE=1) gets a buffer too: `init` removes it; and
+    `train.distributed.shm_buffer` is the file DeepSpeed's CPU op creates (the op itself, in a second
+    process: its state is per process)."""
+    env = clean_env(LOCAL_SIZE="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(_free_port()))
+    init = "from train.distributed import init, shm_buffer\ninit()\nprint(shm_buffer(0).exists())\n"
+    op = ("from deepspeed.comm.torch import build_shm_op\nfrom train.distributed import shm_buffer\n"
+          "build_shm_op().initialize(1, 0)\npath = shm_buffer(0)\nprint(path.exists())\npath.unlink(missing_ok=True)\n")
+    runs = [ok(subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT)) for code in (init, op)]
+    assert [run.stdout.strip().splitlines()[-1] for run in runs] == ["False", "True"]
 
 
 def test_two_ranks_zero_0_1_2_3_agree(two_ranks, cache, tmp_path):

@@ -83,15 +83,15 @@ def init() -> None:
             print(BUILD_NOTICE.format(dir=build_dir), file=sys.stderr, flush=True)
     with _banner_off_stdout(), _build_failure_in_one_line(build_dir):
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    if accelerator.device_name() == "cpu" and dist.get_world_size() > 1:
+    if accelerator.device_name() == "cpu":  # one rank under a launcher has a buffer too
         dist.barrier()  # every rank has mapped every rank's buffer (init_distributed maps them all)
         shm_buffer(dist.get_rank()).unlink(missing_ok=True)
 
 
 def shm_buffer(rank: int) -> Path:
     """The POSIX shared-memory buffer (66 MB) of `rank` in DeepSpeed's CPU all-reduce (its `shm.cpp`
-    name: uid, MASTER_ADDR, MASTER_PORT, rank). DeepSpeed never removes it, so each multi-rank CPU
-    run would leave one per rank in /dev/shm, which is RAM, until a reboot; `init` removes the name
+    name: uid, MASTER_ADDR, MASTER_PORT, rank). DeepSpeed never removes it, so each CPU run under a
+    launcher would leave one per rank in /dev/shm, which is RAM, until a reboot; `init` removes the name
     once every rank has mapped the buffer: the mappings stay, and the memory goes when the ranks
     exit, however they exit."""
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")

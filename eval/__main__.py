@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
-import json
 import resource
 import sys
 import time
@@ -43,7 +41,7 @@ from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_p
 from eval.wandb_log import log_to_wandb
 from model import GPT
 from train.checkpoint import find_checkpoint
-from train.config import TrainConfig
+from train.config import TrainConfig, setup_id
 from train.load import check_device, load_model
 
 
@@ -134,7 +132,7 @@ def open_session(cfg: EvalConfig) -> Session:
         "seed": train_cfg.seed,
         "prompt_stream": stream,
         "prompt_seed": prompt_seed,
-        "config_id": config_id(train_cfg),
+        "config_id": setup_id(train_cfg),
         "checkpoint": str(ckpt),
         "step": _step_of(ckpt),
         "source": ", ".join(s.describe() for s in data.sources if s.is_text)
@@ -228,15 +226,6 @@ def evaluate(cfg: EvalConfig) -> dict[str, list[Path]]:
     written = report.render(report.run_results(session.out), session.out)
     log_to_wandb(cfg, session.train_cfg, run_dir_of(Path(cfg.run)), session.out, written)
     return written
-
-
-def config_id(cfg: TrainConfig) -> str:
-    """Identifies a training setup up to its seeds and names: runs with equal ids are replicates
-    (`eval.report` aggregates them)."""
-    spec = {"model": dataclasses.asdict(cfg.model), "data": {**dataclasses.asdict(cfg.data), "seed": None},
-            "optim": dataclasses.asdict(cfg.optim), "deepspeed": dataclasses.asdict(cfg.deepspeed),
-            "batch_size": cfg.batch_size, "max_steps": cfg.max_steps}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def run_dir_of(path: Path) -> Path:

@@ -143,13 +143,13 @@ def compare_pair(cells: Cells, boots: Bootstraps, metric: str, length: int, a: S
 
 @dataclass(frozen=True)
 class Family:
-    """The pre-registered comparisons (conf/study/comparisons.yaml): a vs b under one scaling, at
-    each length, on one metric, Holm-adjusted at `alpha`."""
+    """The pre-registered comparisons (conf/study/comparisons.yaml): a under its scaling vs b under
+    its scaling (most often the same one), at each length, on one metric, Holm-adjusted at `alpha`."""
 
     path: Path
     metric: str
     lengths: tuple[int, ...]
-    comparisons: tuple[tuple[str, str, str], ...]  # (a, b, scaling)
+    comparisons: tuple[tuple[str, str, str, str], ...]  # (a, scaling of a, b, scaling of b)
     alpha: float
     resamples: int  # bootstrap replicates of every interval in the report
 
@@ -167,12 +167,13 @@ def load_family(path: Path) -> Family:
     except yaml.YAMLError as e:  # OmegaConf parses with PyYAML
         raise DataError(f"--family {path} is not valid YAML ({str(e).splitlines()[0]})") from None
     try:
-        comparisons = tuple((str(c["a"]), str(c["b"]), str(c["scaling"])) for c in raw["comparisons"])
+        comparisons = tuple(_comparison(c) for c in raw["comparisons"])
         family = Family(path, str(raw["metric"]), tuple(int(x) for x in raw["lengths"]), comparisons,
                         float(raw["alpha"]), int(raw.get("bootstrap_resamples", BOOTSTRAP_RESAMPLES)))
         methods = (raw.get("adjust"), raw.get("test"), raw.get("interval"))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise DataError(f"--family {path} needs metric, lengths, comparisons (a, b, scaling) and alpha "
+        raise DataError(f"--family {path} needs metric, lengths, comparisons (a, b, and scaling or "
+                        f"scaling_a and scaling_b) and alpha "
                         f"({type(e).__name__}: {e})") from None
     if methods != ("holm", "exact_permutation_over_seeds", "cluster_bootstrap"):
         raise DataError(f"--family {path}: this report implements adjust: holm, "
@@ -183,6 +184,16 @@ def load_family(path: Path) -> Family:
     return family
 
 
+def _comparison(entry: dict) -> tuple[str, str, str, str]:
+    """(a, scaling of a, b, scaling of b) of one `comparisons` entry: `scaling` for both sides, or
+    `scaling_a` and `scaling_b`; a KeyError for an entry with neither, or with both."""
+    if "scaling" in entry and ("scaling_a" in entry or "scaling_b" in entry):
+        raise KeyError(f"{entry}: give scaling, or scaling_a and scaling_b, not both")
+    both = entry.get("scaling")
+    scaling_a, scaling_b = (both, both) if both is not None else (entry["scaling_a"], entry["scaling_b"])
+    return str(entry["a"]), str(scaling_a), str(entry["b"]), str(scaling_b)
+
+
 def family_tests(cells: Cells, boots: Bootstraps, family: Family) -> list[dict]:
     """One row per comparison and length, Holm-adjusted over the whole pre-registered family.
 
@@ -191,16 +202,16 @@ def family_tests(cells: Cells, boots: Bootstraps, family: Family) -> list[dict]:
     other tests are adjusted no less than planned.
     """
     rows = []
-    for a, b, scaling in family.comparisons:
+    for a, scaling_a, b, scaling_b in family.comparisons:
         for length in family.lengths:
-            row = {"a": a, "b": b, "scaling": scaling, "length": length}
+            row = {"a": a, "b": b, "scaling": scaling_a, "scaling_b": scaling_b, "length": length}
             setups = cells.get((family.metric, length), {})
-            if (a, scaling) in setups and (b, scaling) in setups:
-                pair = compare_pair(cells, boots, family.metric, length, (a, scaling), (b, scaling))
+            if (a, scaling_a) in setups and (b, scaling_b) in setups:
+                pair = compare_pair(cells, boots, family.metric, length, (a, scaling_a), (b, scaling_b))
                 row |= {"tested": True, **pair}
             else:
-                row |= {"tested": False, "n_a": len(setups.get((a, scaling), [])),
-                        "n_b": len(setups.get((b, scaling), [])), "p": math.nan}
+                row |= {"tested": False, "n_a": len(setups.get((a, scaling_a), [])),
+                        "n_b": len(setups.get((b, scaling_b), [])), "p": math.nan}
             rows.append(row)
     adjusted, reject = stats.holm([r["p"] if r["tested"] else 1.0 for r in rows], family.alpha)
     for r, p_holm, significant in zip(rows, adjusted, reject):
@@ -214,10 +225,12 @@ def detectable(rows: Sequence[dict], family: Family) -> list[dict]:
     Holm's first-step level, from each length's pooled seed SD; the median over lengths), and the
     smallest p its seed counts allow against that level."""
     out = []
-    for a, b, scaling in family.comparisons:
-        here = [r for r in rows if (r["a"], r["b"], r["scaling"]) == (a, b, scaling) and r["tested"]]
+    for a, scaling_a, b, scaling_b in family.comparisons:
+        here = [r for r in rows if r["tested"]
+                and (r["a"], r["scaling"], r["b"], r["scaling_b"]) == (a, scaling_a, b, scaling_b)]
         sizes = [(r["n_a"], r["n_b"], r["pooled_sd"]) for r in here if not math.isnan(r["pooled_sd"])]
-        row = {"a": a, "b": b, "scaling": scaling, "lengths": len(here), "level": family.alpha / family.size}
+        row = {"a": a, "b": b, "scaling": scaling_a, "scaling_b": scaling_b, "lengths": len(here),
+               "level": family.alpha / family.size}
         if sizes:
             n_a, n_b, _ = sizes[0]
             deltas = [stats.detectable_difference(sd, na, nb, family.alpha, family.size)
@@ -239,8 +252,8 @@ def significance(cells: Cells, boots: Bootstraps, family: Family | None = None) 
     carries `scaling_b`."""
     registered = set()
     if family is not None:
-        registered = {(family.metric, length, frozenset({(a, s), (b, s)}))
-                      for a, b, s in family.comparisons for length in family.lengths}
+        registered = {(family.metric, length, frozenset({(a, sa), (b, sb)}))
+                      for a, sa, b, sb in family.comparisons for length in family.lengths}
     out = []
     for (metric, length), setups in cells.items():
         for first, second in combinations(setups, 2):

@@ -23,10 +23,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.cli import OneLineParser, exit_code
 from data.config import DataError, check_dir
-from errors import report_error
+from errors import UserError, report_error
 from eval import aggregate, plots, stats
 
 TASKS = ("ppl", "passkey", "recall", "attention")
@@ -363,8 +366,24 @@ def design_name(run: Path, meta: dict) -> str:
     return match.group(1) if match else meta["label"]
 
 
+def setup_of(run: Path, meta: dict) -> str | None:
+    """The run's training-setup id (`train.config.setup_id`) under this code's schema, from the
+    config.yaml beside its results (a run directory, its eval/ folder's run, a published folder),
+    so that runs evaluated before a schema change still group with later ones; else the id its
+    evaluation stored."""
+    from train.config import setup_id, to_train_config  # deferred: it imports torch
+
+    for path in (run / "config.yaml", *([run.parent / "config.yaml"] if run.name == "eval" else [])):
+        if path.is_file():
+            try:
+                return setup_id(to_train_config(OmegaConf.load(path)))
+            except (UserError, OmegaConfBaseException, yaml.YAMLError):
+                break  # a config this code cannot read: the stored id
+    return meta.get("config_id")
+
+
 def seed_groups(loaded: Sequence[tuple[Path, Path, dict]]) -> dict[str, list[tuple[Path, dict]]]:
-    """Runs grouped by training setup (`meta.config_id`), named by `design_name` of their first run.
+    """Runs grouped by training setup (`setup_of`), named by `design_name` of their first run.
 
     Two setups with the same name are told apart by their first run's directory name. Runs of one
     setup that repeat a seed are not replicates: each then stands alone.
@@ -372,7 +391,7 @@ def seed_groups(loaded: Sequence[tuple[Path, Path, dict]]) -> dict[str, list[tup
     by_id: dict[str, list[tuple[Path, dict]]] = {}
     for i, (run, _, results) in enumerate(loaded):
         meta = next(iter(results.values()))["meta"]
-        by_id.setdefault(meta.get("config_id") or f"run {i}", []).append((run, results))
+        by_id.setdefault(setup_of(run, meta) or f"run {i}", []).append((run, results))
     groups = []
     for runs in by_id.values():
         seeds = [next(iter(r.values()))["meta"].get("seed") for _, r in runs]
@@ -452,7 +471,7 @@ def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
 def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggregate.Family) -> list[str]:
     level = family.alpha / family.size
     md = [f"## Pre-registered comparisons (`{_shown(family.path)}`)", "",
-          f"{SEED_TITLES[family.metric]}, a vs b under the same scaling, {family.size} tests. Effect: "
+          f"{SEED_TITLES[family.metric]}, a vs b (under one scaling, or a's vs b's), {family.size} tests. Effect: "
           "difference of seed means (a - b) with its 95% cluster-bootstrap interval "
           f"({family.resamples} resamples: seeds within each design, then cases within each drawn seed). "
           "p: exact two-sided permutation test over seeds. Holm: adjusted over the whole family "
@@ -460,11 +479,11 @@ def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggreg
     body = []
     for r in rows:
         if r["tested"]:
-            body.append([r["a"], r["b"], r["scaling"], plots._k(r["length"]), r["n_a"], r["n_b"], r["mean_a"],
+            body.append([r["a"], r["b"], _scalings(r), plots._k(r["length"]), r["n_a"], r["n_b"], r["mean_a"],
                          r["mean_b"], _effect(r["diff"], r["low"], r["high"]), r["p"], r["p_holm"],
                          "yes" if r["significant"] else "no"])
         else:
-            body.append([r["a"], r["b"], r["scaling"], plots._k(r["length"]), r["n_a"], r["n_b"], "", "", "",
+            body.append([r["a"], r["b"], _scalings(r), plots._k(r["length"]), r["n_a"], r["n_b"], "", "", "",
                          "not tested", "", "no"])
     md += [markdown(["a", "b", "scaling", "length", "seeds a", "seeds b", "mean a", "mean b",
                      "effect [95% CI]", "p", "p (Holm)", "significant"], body), ""]
@@ -474,12 +493,17 @@ def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggreg
            "approximation with the cell's pooled seed SD (median over the lengths tested). Where the "
            "smallest p the exact test can give with these seeds is above that level, no difference of "
            "any size can be significant in this family.", ""]
-    body = [[r["a"], r["b"], r["scaling"], r.get("n_a", ""), r.get("n_b", ""), r.get("median_sd", ""),
+    body = [[r["a"], r["b"], _scalings(r), r.get("n_a", ""), r.get("n_b", ""), r.get("median_sd", ""),
              r.get("detectable", ""), r.get("smallest_p", ""),
              ("yes" if r["smallest_p"] <= level else "no") if "smallest_p" in r else ""] for r in power]
     md += [markdown(["a", "b", "scaling", "seeds a", "seeds b", "pooled seed SD", "detectable difference",
                      "smallest possible p", f"can reach {level:.2g}"], body), ""]
     return md
+
+
+def _scalings(row: dict) -> str:
+    """A family row's scaling, or `a's vs b's` where the two sides differ."""
+    return row["scaling"] if row["scaling"] == row["scaling_b"] else f"{row['scaling']} vs {row['scaling_b']}"
 
 
 def _shown(path: Path) -> str:

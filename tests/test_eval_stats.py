@@ -124,7 +124,26 @@ def test_the_committed_family_is_five_comparisons_at_five_lengths():
     family = aggregate.load_family(aggregate.FAMILY_FILE)
     assert family.size == 25 and family.metric == "passkey" and family.alpha == 0.05
     assert family.lengths == (512, 1024, 2048, 4096, 8192) and family.resamples == 10_000
-    assert ("coca", "origin", "dynamic:8") in family.comparisons
+    assert ("coca", "dynamic:8", "origin", "dynamic:8") in family.comparisons
+
+
+def test_the_extension_family_is_five_comparisons_at_one_length_some_across_scalings():
+    family = aggregate.load_family(aggregate.FAMILY_FILE.with_name("extension.yaml"))
+    assert family.size == 5 and family.lengths == (4096,) and family.metric == "passkey"
+    assert ("dropin_coca", "none", "coca", "none") in family.comparisons
+    assert ("extend_yarn", "none", "continue_origin", "dynamic:8") in family.comparisons
+
+
+def test_a_family_entry_gives_one_scaling_or_one_per_side(tmp_path: Path):
+    family = tmp_path / "family.yaml"
+    body = ("metric: passkey\nlengths: [512]\nalpha: 0.05\nadjust: holm\ninterval: cluster_bootstrap\n"
+            "test: exact_permutation_over_seeds\ncomparisons:\n")
+    family.write_text(body + "  - {a: coca, b: origin, scaling_a: none, scaling_b: 'dynamic:8'}\n")
+    assert aggregate.load_family(family).comparisons == (("coca", "none", "origin", "dynamic:8"),)
+    for entry in ("{a: coca, b: origin, scaling: none, scaling_b: none}", "{a: coca, b: origin, scaling_a: none}"):
+        family.write_text(body + f"  - {entry}\n")
+        with pytest.raises(DataError, match="scaling_a and scaling_b"):
+            aggregate.load_family(family)
 
 
 def test_a_bad_family_file_is_one_line_error(tmp_path: Path):
@@ -140,7 +159,7 @@ def test_family_zero_variance_cells_get_the_exact_p_and_holm_keeps_the_registere
     """coca 1, 1, 1 vs origin 0, 0, 0 (both without spread): effect 1 [1, 1], p = 0.1; alibi has no
     runs, so it is not tested and enters Holm as p = 1: adjusted 0.1 * 2 = 0.2, not significant."""
     family = aggregate.Family(Path("f.yaml"), "passkey", (512,),
-                              (("coca", "origin", "none"), ("alibi", "origin", "none")), 0.05, 2000)
+                              (("coca", "none", "origin", "none"), ("alibi", "none", "origin", "none")), 0.05, 2000)
     cells = _cells({("coca", "none"): [[1, 1]] * 3, ("origin", "none"): [[0, 0, 0]] * 3})
     rows = aggregate.family_tests(cells, aggregate.Bootstraps(cells, 2000), family)
     coca, alibi = rows
@@ -154,10 +173,26 @@ def test_family_zero_variance_cells_get_the_exact_p_and_holm_keeps_the_registere
 
 
 def test_exploratory_pairs_leave_out_the_family_cells():
-    family = aggregate.Family(Path("f.yaml"), "passkey", (512,), (("coca", "origin", "none"),), 0.05, 500)
+    family = aggregate.Family(Path("f.yaml"), "passkey", (512,), (("coca", "none", "origin", "none"),), 0.05, 500)
     cells = _cells({("coca", "none"): [[1.0]] * 3, ("origin", "none"): [[0.0]] * 3,
                     ("alibi", "none"): [[0.5]] * 3})
     boots = aggregate.Bootstraps(cells, 500)
     pairs = {frozenset({t["a"], t["b"]}) for t in aggregate.significance(cells, boots, family)}
     assert pairs == {frozenset({"coca", "alibi"}), frozenset({"origin", "alibi"})}
     assert len(aggregate.significance(cells, boots)) == 3  # without a family: every pair
+
+
+def test_a_family_comparison_across_scalings_tests_a_as_trained_against_b_scaled():
+    """extend 1, 1, 1 as trained vs origin + dynamic:8 0, 0, 0: tested (p = 0.1, the 3 vs 3 floor);
+    origin as trained (0.5) is not its b, and the pair leaves the exploratory list."""
+    family = aggregate.Family(Path("f.yaml"), "passkey", (512,), (("extend", "none", "origin", "dynamic:8"),),
+                              0.05, 500)
+    cells = _cells({("extend", "none"): [[1.0]] * 3, ("origin", "dynamic:8"): [[0.0]] * 3,
+                    ("origin", "none"): [[0.5]] * 3})
+    boots = aggregate.Bootstraps(cells, 500)
+    (row,) = aggregate.family_tests(cells, boots, family)
+    assert row["tested"] and (row["scaling"], row["scaling_b"]) == ("none", "dynamic:8")
+    assert row["diff"] == 1.0 and row["p"] == pytest.approx(0.1)
+    pairs = {(t["a"], t["scaling"], t["b"], t["scaling_b"]) for t in aggregate.significance(cells, boots, family)}
+    assert ("origin", "dynamic:8", "extend", "none") not in pairs and ("extend", "none", "origin", "none") in pairs
+    assert aggregate.detectable([row], family)[0]["smallest_p"] == pytest.approx(0.1)

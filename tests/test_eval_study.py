@@ -202,3 +202,32 @@ def test_attention_summary_uses_the_sample_sd():
     runs = [("origin", {"attention": {"rows": [row]}}) for row in rows]
     (row,) = aggregate.attention_summary(runs)
     assert row["max_score"] == 2.0 and row["max_score_sd"] == pytest.approx(1.0)  # population SD: 0.816
+
+
+def test_runs_group_by_their_config_under_this_schema_not_the_id_stored_at_evaluation(tmp_path):
+    """Two seeds evaluated before and after the schema gained a field (stored ids differ; the older
+    config.yaml lacks the field) are replicates; a run with another model is not; a folder without
+    config.yaml keeps its stored id."""
+    from omegaconf import OmegaConf
+
+    from train.config import TrainConfig
+
+    def config(seed: int, n_layer: int = 2, drop_doc_mask: bool = False) -> dict:
+        cfg = OmegaConf.to_container(OmegaConf.structured(TrainConfig(seed=seed)))
+        cfg["model"]["n_layer"] = n_layer
+        if drop_doc_mask:
+            del cfg["model"]["doc_mask"]
+        return cfg
+
+    runs = [_seed_run(tmp_path, "origin_s1", "origin", "old", 1, 11.0, 4, 10),
+            _seed_run(tmp_path, "origin_s2", "origin", "new", 2, 12.0, 3, 9),
+            _seed_run(tmp_path, "deep_s1", "origin", "new", 1, 12.0, 3, 9)]
+    for run, cfg in zip(runs, [config(1, drop_doc_mask=True), config(2), config(1, n_layer=4)]):
+        OmegaConf.save(OmegaConf.create(cfg), run / "config.yaml")
+    loaded = [(run, run / "eval", report.load_results(run / "eval")) for run in runs]
+    groups = report.seed_groups(loaded)
+    assert {name: [run.name for run, _ in group] for name, group in groups.items()} == {
+        "origin": ["origin_s1", "origin_s2"], "deep": ["deep_s1"]}
+    bare = _seed_run(tmp_path / "bare", "origin_s3", "origin", "stored", 3, 11.0, 4, 10)
+    assert report.setup_of(bare, {"config_id": "stored"}) == "stored"
+    assert report.setup_of(runs[0] / "eval", {}) == report.setup_of(runs[1], {})  # an eval/ folder: its run's

@@ -8,6 +8,9 @@ generated from them (`train.engine.deepspeed_config`).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -200,6 +203,33 @@ class TrainConfig:
                 f"{self.batch_size // self.micro_batch_size}, or change batch_size"
             )
         return self.batch_size // per_step
+
+
+def setup_id(cfg: TrainConfig) -> str:
+    """Identifies a training setup up to its seeds and names: runs with equal ids are replicates
+    (`eval.report` aggregates them). Only settings that differ from the schema's defaults enter it,
+    so a field added to the schema later, at a default that keeps the old behaviour, leaves the ids
+    of earlier runs as they were. A continued run differs from one from scratch, and by `t_init`,
+    but not by which run it started from (its seed's)."""
+    def spec(c: TrainConfig) -> dict[str, Any]:
+        return _flat({"model": dataclasses.asdict(c.model), "data": {**dataclasses.asdict(c.data), "seed": None},
+                      "optim": dataclasses.asdict(c.optim), "deepspeed": dataclasses.asdict(c.deepspeed),
+                      "batch_size": c.batch_size, "max_steps": c.max_steps,
+                      "init_from": c.init_from is not None, "t_init": c.t_init})
+    default = spec(TrainConfig())
+    changed = {k: v for k, v in spec(cfg).items() if k not in default or default[k] != v}
+    return hashlib.sha256(json.dumps(changed, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one dict of dotted keys (lists and other values kept whole)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def register_configs() -> None:

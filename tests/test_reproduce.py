@@ -6,6 +6,7 @@ in its DRY_RUN mode, the CPU study with a few steps, two seeds and two lengths p
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -100,3 +101,55 @@ def test_study_shortened(tmp_path: Path) -> None:
     run_script("reproduce_study.sh", tmp_path, **study)
     assert not any((tmp_path / run).exists() for run in runs)
     assert (tmp_path / "results" / "seeds_summary.csv").read_text() == summary
+
+
+TINY_EXTENSION = """metric: passkey
+lengths: [1024]
+comparisons:
+  - {a: dropin_coca, b: coca, scaling: none}
+  - {a: extend_yarn, b: continue_origin, scaling_a: none, scaling_b: "dynamic:8"}
+alpha: 0.05
+adjust: holm
+interval: cluster_bootstrap
+bootstrap_resamples: 200
+test: exact_permutation_over_seeds
+budget_rule: {pilot_steps: 4, every: 2, window: 2, min_gain: 0.01}
+"""
+
+
+@pytest.mark.slow
+def test_extension_shortened(tmp_path: Path) -> None:
+    """Two study seeds of Origin and CoCA (3 steps), then the extension experiment on them with three
+    of its arms: the pilot picks the budget and t_init, each arm continues its seed's Origin model,
+    and the report tests the family, one comparison across scalings."""
+    study = tmp_path / "study"
+    run_script("reproduce_study.sh", study, DESIGNS="origin coca", SEEDS="1 2", TEXT_ONLY="0", STEPS="3",
+               RESULTS=str(study / "published"), SCALINGS="[none,dynamic:8]",
+               EVAL="ppl.lengths=[256,1024] ppl.n_docs=1 passkey.lengths=[256,1024] passkey.n_cases=2 "
+               "recall.lengths=[256] recall.n_cases=1 attention.length=256")
+    family = tmp_path / "family.yaml"
+    family.write_text(TINY_EXTENSION)
+    results = tmp_path / "results"
+    ext = tmp_path / "extension"
+    out = run_script("reproduce_extension.sh", ext, SOURCES=str(study), STUDY_RESULTS=str(study / "published"),
+                     ARMS="extend_yarn dropin_coca continue_origin", SEEDS="1 2", FAMILY=str(family),
+                     RESULTS=str(results), EVAL="ppl.n_docs=1 passkey.n_cases=2", SHORT="[256,1024]", LONG="[1024]")
+    assert "FAILED" not in out
+    choice = json.loads((results / "pilot.json").read_text())
+    assert choice["budget"] in (2, 4) and choice["t_init"] in ("from_k", "fresh")
+    assert set(choice["curves"]) == {"extend_yarn", "dropin_from_k", "dropin_fresh", "continue_origin"}
+    for arm, scalings, train_len in (("extend_yarn", {"none"}, 1024), ("dropin_coca", {"none", "dynamic:8"}, 256),
+                                     ("continue_origin", {"none", "dynamic:8"}, 256)):
+        for seed in (1, 2):
+            cfg = (results / f"{arm}_s{seed}" / "config.yaml").read_text()
+            assert f"init_from: {study}/origin_s{seed}" in cfg and f"max_steps: {choice['budget']}" in cfg
+            assert f"max_seq_len: {train_len}" in cfg and f"seed: {100 + seed}" in cfg
+            assert ("attention: coca" in cfg) == (arm == "dropin_coca")
+            passkey = json.loads((results / f"{arm}_s{seed}" / "passkey.json").read_text())
+            assert {c["scaling"] for c in passkey["cases"]} == scalings and passkey["meta"]["seed"] == seed
+    assert f"t_init: {choice['t_init']}" in (results / "dropin_coca_s1" / "config.yaml").read_text()
+    family_rows = {(r["a"], r["b"]): r for r in csv.DictReader((results / "seeds_family.csv").open())}
+    assert family_rows[("extend_yarn", "continue_origin")]["scaling_b"] == "dynamic:8"
+    assert all(r["tested"] == "True" for r in family_rows.values())
+    assert "| extend_yarn | continue_origin | none vs dynamic:8 | 1K | 2 | 2 |" in (
+        results / "seeds_report.md").read_text()

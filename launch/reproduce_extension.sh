@@ -123,6 +123,7 @@ one_run() {  # arm seed
 
 for seed in $SEEDS; do
   for arm in $ARMS; do
+    if [ -n "$RESULTS" ] && [ -f "$RESULTS/${arm}_s$seed/DONE" ]; then continue; fi  # published: keep its log
     while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
     echo "== $arm seed $seed -> $RUNS/${arm}_s$seed (log: $RUNS/logs/${arm}_s$seed.log)"
     ( one_run "$arm" "$seed" > "$RUNS/logs/${arm}_s$seed.log" 2>&1 \

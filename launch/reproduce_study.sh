@@ -92,6 +92,7 @@ if [ "$TEXT_ONLY" = 1 ]; then plan+=("text 1"); fi
 
 for item in "${plan[@]}"; do
   read -r design seed <<< "$item"
+  if [ -n "$RESULTS" ] && [ -f "$RESULTS/${design}_s$seed/DONE" ]; then continue; fi  # published: keep its log
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
   echo "== $design seed $seed -> $RUNS/${design}_s$seed (log: $RUNS/logs/${design}_s$seed.log)"
   ( one_run "$design" "$seed" "$@" > "$RUNS/logs/${design}_s$seed.log" 2>&1 \

@@ -37,6 +37,12 @@ DESIGN_COLORS = {
     "coca": "#ff7f0e",
     "coca_strict": "#d62728",
     "text": "#7f7f7f",
+    # the extension experiment's arms (conf/study/extension.yaml): one colour each, no fallback clash
+    "continue_origin": "#8c564b",
+    "dropin_coca": "#e377c2",
+    "extend_pi": "#9467bd",
+    "extend_yarn": "#bcbd22",
+    "extend_abf": "#17becf",
 }
 FALLBACK_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#393b79", "#637939")
 DESIGN_ALIASES = {"coca-slack": "coca", "coca_slack": "coca", "coca-strict": "coca_strict"}

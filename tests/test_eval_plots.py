@@ -264,3 +264,15 @@ def test_accuracy_bands_stay_inside_0_1():
         y = np.concatenate([path.vertices[:, 1] for path in band.get_paths()])
         assert y.min() >= 0.0 and y.max() <= 1.0
         assert y.max() - y.min() > 0.5  # a band, not a line
+
+
+def test_every_design_of_the_two_families_has_its_own_colour():
+    """The study's and the extension experiment's designs share figures: no two may look alike (a
+    hashed fallback colour once gave dropin_coca and continue_origin the same pink)."""
+    designs = set()
+    for name in ("comparisons.yaml", "extension.yaml"):
+        family = aggregate.load_family(aggregate.FAMILY_FILE.with_name(name))
+        designs |= {d for a, _, b, _ in family.comparisons for d in (a, b)}
+    designs |= {"coca_strict", "alibi"}
+    colours = {design: plots.design_color(design) for design in designs}
+    assert len(set(colours.values())) == len(colours), colours

@@ -51,9 +51,13 @@ def overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
 
 
 def start(command: list[str], **extra_env: str) -> subprocess.Popen:
-    """In a new session, like a scheduler's job: `os.killpg(proc.pid, ...)` is 'the process group'."""
+    """In a new session, like a scheduler's job: `os.killpg(proc.pid, ...)` is 'the process group'.
+    SIGINT starts at its default, as from a terminal: pytest itself may have been started in the
+    background of a script (`nohup ... &`), which ignores SIGINT, and a shell cannot trap a
+    signal that was ignored when it started (POSIX), so the launch script would never see it."""
     return subprocess.Popen(command, cwd=REPO, env=env(**extra_env), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @contextmanager

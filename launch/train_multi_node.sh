@@ -16,6 +16,8 @@
 # 128 + signal; so does this script (143 for SIGTERM). torchrun runs in its own session so that a
 # signal to our process group never reaches it: signalled itself, torchrun kills its ranks 30 s
 # later, which a large checkpoint may not survive. Continue with the same command plus resume=auto.
+# Started in the background of another script (`nohup ... &`), this script ignores SIGINT: a shell
+# cannot trap a signal ignored when it started (POSIX). Stop it with SIGTERM there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -93,6 +93,21 @@ def test_precision_is_compared_as_trained(tmp_path):
     assert resume.check(ckpt, _cfg("experiment=micro", "deepspeed.precision=bf16")) == []
 
 
+def test_null_kv_heads_and_n_head_are_one_shape(tmp_path):
+    """`model.n_kv_head: null` means one kv head per query head: a resume that spells it out (or
+    drops it) continues; another number of kv heads is refused, naming the heads used."""
+    base = ("experiment=micro", f"run_dir={tmp_path}", "model.arch=llama", "model.parallel_residual=false")
+    ckpt = _fake_checkpoint(tmp_path, 5, _cfg(*base))
+    assert resume.check(ckpt, _cfg(*base, "model.n_kv_head=2")) == []
+    checkpoint.check_compatible(ckpt, _cfg(*base, "model.n_kv_head=2").model)
+    with pytest.raises(CheckpointError, match="has model.n_kv_head=2, this run has model.n_kv_head=1"):
+        resume.check(ckpt, _cfg(*base, "model.n_kv_head=1"))
+    with pytest.raises(CheckpointError, match="has model.n_kv_head=2, this run has model.n_kv_head=1"):
+        checkpoint.check_compatible(ckpt, _cfg(*base, "model.n_kv_head=1").model)
+    explicit = _fake_checkpoint(tmp_path / "explicit", 5, _cfg(*base, "model.n_kv_head=2"))
+    assert resume.check(explicit, _cfg(*base)) == []
+
+
 # ---------------------------------------------------------------- the optimizer really uses the new settings
 
 

@@ -314,6 +314,9 @@ def check_compatible(ckpt: Path, model_cfg) -> None:
     saved = saved_config(ckpt)
     for name in SHAPE_FIELDS:  # a field the checkpoint predates (arch, n_kv_head) has its default
         old, new = saved.model.get(name, _MODEL_DEFAULTS.get(name)), getattr(model_cfg, name)
+        if name == "n_kv_head":  # null means n_head: compare the heads actually used
+            old = saved.model.get("n_head") if old is None else old
+            new = model_cfg.kv_heads
         if old != new:
             raise CheckpointError(
                 f"checkpoint {ckpt} has model.{name}={old}, this run has model.{name}={new}: "

@@ -125,6 +125,9 @@ def check(ckpt: Path, cfg: TrainConfig) -> list[str]:
     checkpoint.verify(ckpt)
     marker = checkpoint.marker(ckpt)
     old, new = _saved(ckpt), leaves(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    for config in (old, new):  # null and n_head are one shape: compare the heads actually used
+        if config.get("model.n_kv_head") is None:
+            config["model.n_kv_head"] = config.get("model.n_head")
     old["deepspeed.precision"] = marker.get("precision") or resolve_precision(old["deepspeed.precision"])
     new["deepspeed.precision"] = resolve_precision(new["deepspeed.precision"])
     refused, reasons, honoured = [], [], []

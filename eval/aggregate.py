@@ -244,12 +244,14 @@ def detectable(rows: Sequence[dict], family: Family) -> list[dict]:
 # ----------------------------------------------------------------------------- exploratory
 
 
-def significance(cells: Cells, boots: Bootstraps, family: Family | None = None) -> list[dict]:
+def significance(cells: Cells, boots: Bootstraps, family: Family | None = None,
+                 train_lens: dict[str, int | None] | None = None) -> list[dict]:
     """Every pair of setups that share their scaling, and every setup with a scaling against
     every setup as trained (the paper's question is whether a design with a scaling keeps what it
     or another design loses without one), per metric and length, except the family's own tests:
     effect, interval and permutation p, unadjusted (exploratory). `a` carries `scaling`, `b`
-    carries `scaling_b`."""
+    carries `scaling_b`. Perplexity ratios are compared only between designs of one training
+    length (`train_lens`, by design): each ratio's base is its own design's training length."""
     registered = set()
     if family is not None:
         registered = {(family.metric, length, frozenset({(a, sa), (b, sb)}))
@@ -263,6 +265,8 @@ def significance(cells: Cells, boots: Bootstraps, family: Family | None = None) 
                 if first[1] == NONE:  # the setup with the scaling first
                     first, second = second, first
             if (metric, length, frozenset({first, second})) in registered:
+                continue
+            if metric == "ppl_ratio" and train_lens and train_lens.get(first[0]) != train_lens.get(second[0]):
                 continue
             t = compare_pair(cells, boots, metric, length, first, second)
             out.append({"metric": metric, "scaling": first[1], "scaling_b": second[1], "length": length,

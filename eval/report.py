@@ -422,9 +422,10 @@ def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
     summary = aggregate.summarise(cells, boots)
     registered = aggregate.family_tests(cells, boots, family)
     power = aggregate.detectable(registered, family)
-    tests = aggregate.significance(cells, boots, family)
+    design_lens = {name: next(iter(group[0][1].values()))["meta"]["train_len"] for name, group in groups.items()}
+    tests = aggregate.significance(cells, boots, family, design_lens)
     attention = aggregate.attention_summary(runs)
-    train_lens = {next(iter(r.values()))["meta"]["train_len"] for group in groups.values() for _, r in group}
+    train_lens = set(design_lens.values())
     train_len = train_lens.pop() if len(train_lens) == 1 else None
     seeds = ", ".join(f"{name}: {len(group)}" for name, group in groups.items())
     md = ["# Seed-aggregated comparison", "", f"Seeds per design: {seeds}. Cases per seed and cell: "

@@ -182,6 +182,19 @@ def test_exploratory_pairs_leave_out_the_family_cells():
     assert len(aggregate.significance(cells, boots)) == 3  # without a family: every pair
 
 
+def test_perplexity_ratios_of_different_training_lengths_are_not_paired():
+    """A ratio is to the design's own training length: extend (1024) and origin (256) ratios have
+    different bases, so no exploratory pair compares them; passkey accuracy has no base."""
+    cells = _cells({("extend", "none"): [[1.1]] * 3, ("origin", "none"): [[1.5]] * 3,
+                    ("coca", "none"): [[1.4]] * 3}, metric="ppl_ratio")
+    cells |= _cells({("extend", "none"): [[1.0]] * 3, ("origin", "none"): [[0.0]] * 3})
+    boots = aggregate.Bootstraps(cells, 500)
+    lens = {"extend": 1024, "origin": 256, "coca": 256}
+    pairs = {(t["metric"], frozenset({t["a"], t["b"]})) for t in aggregate.significance(cells, boots, None, lens)}
+    assert pairs == {("ppl_ratio", frozenset({"origin", "coca"})), ("passkey", frozenset({"extend", "origin"}))}
+    assert len(aggregate.significance(cells, boots)) == 4  # lengths unknown: every pair
+
+
 def test_a_family_comparison_across_scalings_tests_a_as_trained_against_b_scaled():
     """extend 1, 1, 1 as trained vs origin + dynamic:8 0, 0, 0: tested (p = 0.1, the 3 vs 3 floor);
     origin as trained (0.5) is not its b, and the pair leaves the exploratory list."""

@@ -1,0 +1,78 @@
+"""The published seed reports (docs/results/*/seeds_*) regenerate, byte for byte, from the
+per-run files committed beside them, with the run order the reproduction scripts give
+`eval.report`; and each pre-registered table docs/RESULTS.md quotes is the report's own.
+
+The figures are left out of the byte comparison (their bytes follow the matplotlib version)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from eval import aggregate, report
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"
+FILES = ("seeds_report.md", "seeds_family.csv", "seeds_power.csv", "seeds_summary.csv", "seeds_values.csv",
+         "seeds_significance.csv", "seeds_attention.csv")
+
+
+def _study_runs(folder: Path, designs: tuple[str, ...]) -> list[Path]:
+    """launch/reproduce_study.sh's order: seed by seed, designs in their order, then text_s1."""
+    runs = sorted((p for d in designs for p in folder.glob(f"{d}_s*") if re.fullmatch(rf"{d}_s\d+", p.name)),
+                  key=lambda p: (int(p.name.rsplit("_s", 1)[1]), designs.index(p.name.rsplit("_s", 1)[0])))
+    return runs + ([folder / "text_s1"] if (folder / "text_s1").is_dir() else [])
+
+
+def _extension_runs() -> list[Path]:
+    """launch/reproduce_extension.sh's order: per seed, the five arms, then the study's Origin and CoCA."""
+    arms = ("extend_pi", "extend_yarn", "extend_abf", "dropin_coca", "continue_origin")
+    return [folder / f"{name}_s{seed}" for seed in range(1, 6)
+            for folder, names in ((RESULTS / "extension", arms), (RESULTS / "study", ("origin", "coca")))
+            for name in names]
+
+
+REPORTS = {
+    "pilot": (lambda: sorted(RESULTS.joinpath("pilot").glob("*_s?")), aggregate.FAMILY_FILE),
+    "extension": (_extension_runs, aggregate.FAMILY_FILE.with_name("extension.yaml")),
+    "study": (lambda: _study_runs(RESULTS / "study", ("origin", "coca", "coca_strict", "alibi")),
+              aggregate.FAMILY_FILE),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REPORTS)
+def test_published_seed_report_regenerates_from_the_committed_runs(name, tmp_path, monkeypatch):
+    published = RESULTS / name
+    if not (published / "seeds_report.md").exists():
+        pytest.skip(f"docs/results/{name} has no seed report yet (it is published once every seed is in)")
+    runs, family = REPORTS[name]
+    monkeypatch.chdir(REPO)  # the reports name runs by their path from the repository root
+    report.compare([run.relative_to(REPO) for run in runs()], tmp_path, family)
+    for file in FILES:
+        assert (tmp_path / file).read_bytes() == (published / file).read_bytes(), f"docs/results/{name}/{file}"
+
+
+def _family_rows(markdown: str) -> list[str]:
+    """The rows of every Markdown table whose header starts with the family table's header."""
+    rows, inside = [], False
+    for line in markdown.splitlines():
+        if line.startswith("| a | b | scaling | length | seeds a |"):
+            inside = True
+        elif inside and line.startswith("|") and not line.startswith("|---"):
+            rows.append(line)
+        elif not line.startswith("|"):
+            inside = False
+    return rows
+
+
+def test_results_doc_quotes_the_family_tables_of_the_published_reports():
+    """Every pre-registered row docs/RESULTS.md shows is a row of a published seeds_report.md."""
+    quoted = _family_rows((REPO / "docs" / "RESULTS.md").read_text())
+    published = {row for name in REPORTS if (RESULTS / name / "seeds_report.md").exists()
+                 for row in _family_rows((RESULTS / name / "seeds_report.md").read_text())}
+    assert quoted, "docs/RESULTS.md quotes no family table"
+    missing = [row for row in quoted if row not in published]
+    assert not missing, f"docs/RESULTS.md rows not in any published seeds_report.md: {missing}"

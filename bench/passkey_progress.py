@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from data.tasks import PasskeyCase, make_cases
+from eval.bar import table_header, table_row
 from eval.passkey import answer_logits
 from train.checkpoint import CheckpointError
 from train.load import load_model
@@ -58,8 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch_tokens < 1:
         parser.error(f"--batch-tokens {args.batch_tokens} must be >= 1")
-    print(f"| checkpoint | key-token log-prob | key-token accuracy | passkey ({args.cases} cases at {args.length}) |")
-    print("|---|---|---|---|")
+    print("\n".join(table_header(args.cases, args.length)))
     for path in args.checkpoints:
         try:
             r = progress(path, args.length, args.cases, args.seed, args.batch_tokens)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {path}: {e}", file=sys.stderr)
             return 2
         name = f"{Path(path).parent.parent.name}/{Path(path).name}"
-        print(f"| {name} | {r['logp']:.2f} | {r['token_acc']:.2f} | {r['passkey']:.2f} |")
+        print(table_row(name, r["logp"], r["token_acc"], r["passkey"]))
     return 0
 
 

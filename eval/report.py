@@ -31,6 +31,7 @@ from data.cli import OneLineParser, exit_code
 from data.config import DataError, check_dir
 from errors import UserError, report_error
 from eval import aggregate, plots, stats
+from eval.bar import BAR, PROGRESS_FILE, BarProgress, read_progress
 
 TASKS = ("ppl", "passkey", "recall", "attention")
 PROFILES_FILE = "attention_profiles.npz"
@@ -317,18 +318,23 @@ def _labelled(task: str, result: dict, eval_dir: Path, prefix: str) -> dict:
 # ----------------------------------------------------------------------------- comparison
 
 
-def compare(run_dirs: Sequence[Path], out_dir: Path,
-            family_path: Path = aggregate.FAMILY_FILE) -> dict[str, list[Path]]:
+def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggregate.FAMILY_FILE,
+            bar_only: bool = False) -> dict[str, list[Path]]:
     """One table and one figure per task with a line per (run, scaling); with replicates, the seed
-    report against the pre-registered family in `family_path`."""
+    report against the pre-registered family in `family_path`. `bar_only`: only the runs whose
+    final checkpoint passes the training bar (`eval.bar`), a post hoc subset labelled so."""
     family = aggregate.load_family(family_path)
-    loaded = []
+    loaded, progress = [], {}
     for run in run_dirs:
         eval_dir = run / "eval" if (run / "eval").is_dir() else run
         results = load_results(eval_dir)
         if not results:
             raise FileNotFoundError(f"no evaluation results in {eval_dir} (run `python -m eval run={run}` first)")
         loaded.append((run, eval_dir, results))
+        progress[run] = read_progress(eval_dir / PROGRESS_FILE)
+    if bar_only:
+        loaded = _past_the_bar(loaded, progress)
+        run_dirs = [run for run, _, _ in loaded]
     labels = [next(iter(r.values()))["meta"]["label"] for _, _, r in loaded]
     if len(set(labels)) < len(labels):
         labels = [f"{run.name} ({label})" for (run, _, _), label in zip(loaded, labels)]
@@ -352,8 +358,21 @@ def compare(run_dirs: Sequence[Path], out_dir: Path,
     written = render(merged, out_dir, prefix="comparison of " + ", ".join(labels), stem="compare_")
     groups = seed_groups(loaded)
     if any(len(runs) > 1 for runs in groups.values()):
-        written["seeds"] = render_seeds(groups, out_dir, family)
+        written["seeds"] = render_seeds(groups, out_dir, family, progress, bar_only)
     return written
+
+
+def _past_the_bar(loaded: list, progress: dict[Path, BarProgress | None]) -> list:
+    """The loaded runs whose final checkpoint passes the bar; a `DataError` for a run without the
+    table, or when none passes."""
+    missing = [str(run) for run, _, _ in loaded if progress[run] is None]
+    if missing:
+        raise DataError(f"--bar-only needs each run's {PROGRESS_FILE} (`python -m bench.passkey_progress`); "
+                        f"missing for {', '.join(missing)}")
+    kept = [item for item in loaded if progress[item[0]].passes]
+    if not kept:
+        raise DataError(f"--bar-only: no run's final checkpoint reaches the bar ({BAR} in {PROGRESS_FILE})")
+    return kept
 
 
 # ----------------------------------------------------------------------------- seeds
@@ -406,11 +425,12 @@ SEED_TITLES = {"ppl_ratio": "Perplexity / perplexity at the training length",
 SEED_AXES = {"ppl_ratio": "perplexity ratio", "passkey": "passkey accuracy", "recall": "recall accuracy"}
 
 
-def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
-                 family: aggregate.Family) -> list[Path]:
+def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path, family: aggregate.Family,
+                 progress: dict[Path, BarProgress | None] | None = None, bar_only: bool = False) -> list[Path]:
     """The seed report: the pre-registered family first (effect, interval, raw and Holm p), the
-    smallest detectable differences, then everything else, labelled exploratory: CSV, Markdown,
-    figures with bootstrap bands."""
+    smallest detectable differences and the training bar of every run, then everything else,
+    labelled exploratory: CSV, Markdown, figures with bootstrap bands. `bar_only`: the runs are the
+    post hoc subset past the bar, and the family's section says so."""
     rows, runs = [], []
     for name, group in groups.items():
         for run, results in group:
@@ -431,7 +451,10 @@ def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
     md = ["# Seed-aggregated comparison", "", f"Seeds per design: {seeds}. Cases per seed and cell: "
           + ", ".join(f"{m} {c}" for m, c in _case_counts(rows).items() if m != "ppl_ratio")
           + "; the perplexity ratio is one value per seed.", ""]
-    md += _family_markdown(registered, power, family)
+    md += _family_markdown(registered, power, family, bar_only)
+    bar = _bar_rows(groups, progress or {})
+    if bar:
+        md += _bar_markdown(bar)
     md += ["## Exploratory (not pre-registered; unadjusted)", "",
            "Everything in this section is exploratory: no correction for the many comparisons, so a "
            "p < 0.05 here is a lead, not a finding. Cells: seed mean [95% cluster-bootstrap interval] "
@@ -439,6 +462,8 @@ def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
            "means (a - b) with its interval and the exact permutation p over seeds; every pair is in "
            "`seeds_significance.csv`.", ""]
     tables = {"values": rows, "summary": summary, "family": registered, "power": power, "significance": tests}
+    if bar:
+        tables["bar"] = bar
     written = [write_csv(out_dir / f"seeds_{name}.csv", table) for name, table in tables.items()]
     for metric in aggregate.METRICS:
         here = [r for r in summary if r["metric"] == metric]
@@ -469,14 +494,22 @@ def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path,
     return written + [md_path]
 
 
-def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggregate.Family) -> list[str]:
+def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggregate.Family,
+                     bar_only: bool = False) -> list[str]:
     level = family.alpha / family.size
-    md = [f"## Pre-registered comparisons (`{_shown(family.path)}`)", "",
-          f"{SEED_TITLES[family.metric]}, a vs b (under one scaling, or a's vs b's), {family.size} tests. Effect: "
-          "difference of seed means (a - b) with its 95% cluster-bootstrap interval "
-          f"({family.resamples} resamples: seeds within each design, then cases within each drawn seed). "
-          "p: exact two-sided permutation test over seeds. Holm: adjusted over the whole family "
-          f"(cells not tested count as p = 1); significant: Holm p < {family.alpha}.", ""]
+    if bar_only:
+        md = [f"## The family's comparisons (`{_shown(family.path)}`) on the runs past the bar: exploratory", "",
+              f"Only the runs whose final checkpoint reaches passkey {BAR} at the training length "
+              "(`--bar-only`). The subset was chosen after the results, so nothing in this report is a "
+              "pre-registered finding: the tests and Holm's adjustment are computed as for the "
+              "family, for comparison with the full analysis.", ""]
+    else:
+        md = [f"## Pre-registered comparisons (`{_shown(family.path)}`)", ""]
+    md += [f"{SEED_TITLES[family.metric]}, a vs b (under one scaling, or a's vs b's), {family.size} tests. "
+           "Effect: difference of seed means (a - b) with its 95% cluster-bootstrap interval "
+           f"({family.resamples} resamples: seeds within each design, then cases within each drawn seed). "
+           "p: exact two-sided permutation test over seeds. Holm: adjusted over the whole family "
+           f"(cells not tested count as p = 1); significant: Holm p < {family.alpha}.", ""]
     body = []
     for r in rows:
         if r["tested"]:
@@ -499,6 +532,37 @@ def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggreg
              ("yes" if r["smallest_p"] <= level else "no") if "smallest_p" in r else ""] for r in power]
     md += [markdown(["a", "b", "scaling", "seeds a", "seeds b", "pooled seed SD", "detectable difference",
                      "smallest possible p", f"can reach {level:.2g}"], body), ""]
+    return md
+
+
+def _bar_rows(groups: dict[str, list[tuple[Path, dict]]], progress: dict[Path, BarProgress | None]) -> list[dict]:
+    """Per run with a bar table: its design, seed, first step at the bar and final bar score."""
+    rows = []
+    for name, group in groups.items():
+        for run, results in group:
+            bar = progress.get(run)
+            if bar is not None:
+                rows.append({"group": name, "seed": next(iter(results.values()))["meta"].get("seed"), "run": str(run),
+                             "first_at_bar": bar.first_at_bar, "final_step": bar.steps[-1], "final": bar.final,
+                             "passes": bar.passes})
+    return rows
+
+
+def _bar_markdown(rows: Sequence[dict]) -> list[str]:
+    """The bar per design (runs past it at their final checkpoint) and per run."""
+    designs = list(dict.fromkeys(r["group"] for r in rows))
+    md = ["## The training bar", "",
+          f"Passkey accuracy at the training length on the bar's own cases (`{PROGRESS_FILE}`, disjoint from "
+          f"the evaluation's), per checkpoint: a run is past the bar when its final checkpoint scores at "
+          f"least {BAR}. A run below it has not learned to retrieve at the training length, so its "
+          "extrapolation cells measure that, not extrapolation.", ""]
+    body = []
+    for design in designs:
+        here = [r for r in rows if r["group"] == design]
+        below = ", ".join(f"seed {r['seed']} ({r['final']:.2f})" for r in here if not r["passes"])
+        body.append([design, f"{sum(r['passes'] for r in here)} of {len(here)}", below or "-",
+                     ", ".join(f"{r['seed']}: {r['first_at_bar'] or '-'}" for r in here)])
+    md += [markdown(["design", "past the bar", "below it (final score)", "seed: first step at the bar"], body), ""]
     return md
 
 
@@ -573,10 +637,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("eval_report"), help="output folder")
     parser.add_argument("--family", type=Path, default=aggregate.FAMILY_FILE,
                         help="the pre-registered comparison family (default: conf/study/comparisons.yaml)")
+    parser.add_argument("--bar-only", action="store_true",
+                        help=f"only the runs whose {PROGRESS_FILE} ends at or above the bar ({BAR}): "
+                             "a post hoc subset, reported as exploratory")
     args = parser.parse_args(argv)
     try:
         check_dir(args.out, "--out")
-        written = compare(args.runs, args.out, args.family)
+        written = compare(args.runs, args.out, args.family, args.bar_only)
     except (FileNotFoundError, ValueError) as e:
         return report_error(e, exit_code(e))
     for task, paths in written.items():

@@ -8,7 +8,8 @@
 # study trains no recall rows), attention statistics at 4x; RoPE as trained and with dynamic NTK 8
 # (the family's two scalings; ALiBi as trained only); and the training bar, passkey at 256 of every
 # checkpoint on 60 cases of the bar's own stream (disjoint from the evaluation's). Then one
-# seed-aggregated report: the pre-registered family first (Holm), the rest exploratory.
+# seed-aggregated report: the pre-registered family first (Holm), the rest exploratory; and the same
+# report on the runs whose final checkpoint passes the bar (bar_only/: a post hoc subset, exploratory).
 # Evaluation cost: bench/study_eval.py (one run's evaluation before and after these settings).
 #
 #   RESULTS=docs/results/study launch/reproduce_study.sh   # the whole study, published as it lands
@@ -109,6 +110,7 @@ for item in "${plan[@]}"; do
   else failed=1; fi
 done
 report=${RESULTS:-$RUNS/report}
-echo "== report -> $report"
+echo "== report -> $report, and on the runs past the training bar (exploratory) -> $report/bar_only"
 python -m eval.report "${runs[@]}" --out "$report"
+python -m eval.report "${runs[@]}" --bar-only --out "$report/bar_only"
 exit $failed

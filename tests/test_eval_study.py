@@ -14,7 +14,7 @@ import torch
 from data.config import DataConfig, TokenizerConfig
 from data.tasks import make_recall_cases
 from data.tokenizer import get_tokenizer
-from eval import aggregate, report
+from eval import aggregate, bar, report
 from eval.recall import recall_accuracy, score_recall
 
 VOCAB = 1024
@@ -231,3 +231,60 @@ def test_runs_group_by_their_config_under_this_schema_not_the_id_stored_at_evalu
     bare = _seed_run(tmp_path / "bare", "origin_s3", "origin", "stored", 3, 11.0, 4, 10)
     assert report.setup_of(bare, {"config_id": "stored"}) == "stored"
     assert report.setup_of(runs[0] / "eval", {}) == report.setup_of(runs[1], {})  # an eval/ folder: its run's
+
+
+# ----------------------------------------------------------------------------- the training bar
+
+
+def _progress(run: Path, scores: list[float]) -> None:
+    """The run's passkey_progress.md as bench.passkey_progress writes it: checkpoints every 250 steps."""
+    lines = bar.table_header(60, 64)
+    lines += [bar.table_row(f"{run.name}/step_{250 * (i + 1):08d}", -1.0, 0.5, s) for i, s in enumerate(scores)]
+    (run / "eval" / bar.PROGRESS_FILE).write_text("\n".join(lines) + "\n")
+
+
+def test_bar_progress_reads_the_table_it_writes(tmp_path):
+    run = _seed_run(tmp_path, "origin_s1", "origin", "A", 1, 11.0, 4, 10)
+    _progress(run, [0.0, 0.35, 0.9, 0.85])
+    progress = bar.read_progress(run / "eval" / bar.PROGRESS_FILE)
+    assert progress.steps == (250, 500, 750, 1000) and progress.scores == (0.0, 0.35, 0.9, 0.85)
+    assert progress.first_at_bar == 750 and progress.final == 0.85 and not progress.passes  # the last one decides
+    assert bar.read_progress(tmp_path / "missing.md") is None
+
+
+def test_bar_only_report_keeps_the_runs_past_the_bar_and_labels_itself_exploratory(tmp_path):
+    """origin 5 seeds past the bar, coca seeds 1-4 past and seed 5 below: the full report lists the
+    bar per design; --bar-only drops coca_s5 (5 vs 4 seeds) and titles its family section post hoc."""
+    runs = [_seed_run(tmp_path, f"origin_s{s}", "origin", "A", s, 11.0, 4, 10) for s in range(1, 6)]
+    runs += [_seed_run(tmp_path, f"coca_s{s}", "coca-slack", "B", s, 16.0, 1, 2) for s in range(1, 6)]
+    for run in runs:
+        _progress(run, [0.2, 0.95, 1.0] if run.name != "coca_s5" else [0.0, 0.1, 0.4])
+    family = tmp_path / "family.yaml"
+    family.write_text(FAMILY)
+    args = [str(r) for r in runs] + ["--family", str(family)]
+    assert report.main(args + ["--out", str(tmp_path / "all")]) == 0
+    md = (tmp_path / "all" / "seeds_report.md").read_text()
+    assert md.index("## Pre-registered comparisons") < md.index("## The training bar") < md.index("## Exploratory")
+    assert "| origin | 5 of 5 | - | 1: 500, 2: 500, 3: 500, 4: 500, 5: 500 |" in md
+    assert "| coca | 4 of 5 | seed 5 (0.40) | 1: 500, 2: 500, 3: 500, 4: 500, 5: - |" in md
+    bar_rows = _csv(tmp_path / "all" / "seeds_bar.csv")
+    assert [r["passes"] for r in bar_rows].count("False") == 1
+
+    assert report.main(args + ["--out", str(tmp_path / "past"), "--bar-only"]) == 0
+    md = (tmp_path / "past" / "seeds_report.md").read_text()
+    assert "## Pre-registered comparisons" not in md and "on the runs past the bar: exploratory" in md
+    (row,) = _csv(tmp_path / "past" / "seeds_family.csv")
+    assert (row["n_a"], row["n_b"]) == ("4", "5")
+    assert "coca_s5" not in (tmp_path / "past" / "seeds_values.csv").read_text()
+
+
+def test_bar_only_without_the_progress_table_is_one_line(tmp_path, capsys):
+    runs = [_seed_run(tmp_path, f"origin_s{s}", "origin", "A", s, 11.0, 4, 10) for s in (1, 2)]
+    _progress(runs[0], [1.0])
+    assert report.main([str(r) for r in runs] + ["--out", str(tmp_path / "r"), "--bar-only"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "passkey_progress.md" in err and "origin_s2" in err
+    _progress(runs[1], [0.5])
+    _progress(runs[0], [0.5])
+    assert report.main([str(r) for r in runs] + ["--out", str(tmp_path / "r"), "--bar-only"]) == 1
+    assert "no run's final checkpoint reaches the bar" in capsys.readouterr().err

@@ -241,9 +241,11 @@ class CausalSelfAttention(nn.Module):
         cache: LayerCache | None = None,
         capture: list[AttentionInputs] | None = None,
         documents: Documents | None = None,
+        queries: int = 0,
     ) -> torch.Tensor:
         """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens;
-        documents: each token's document, for document masking (None: one document)."""
+        documents: each token's document, for document masking (None: one document). queries > 0:
+        the output of the last `queries` positions only [B, queries, C], over the keys of all T."""
         B, T, C = x.shape
         q, k, v = self.heads(x)
         if self.attention == "coca":
@@ -252,6 +254,8 @@ class CausalSelfAttention(nn.Module):
             q, k = self.qk(q, k, rope)
         if cache is not None:
             k, v = cache.append(k, v)
+        if queries:
+            q, T = q[..., -queries:, :], queries
         alibi = self.attention == "alibi"
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k

@@ -82,11 +82,15 @@ class Block(nn.Module):
         self.ln_2 = norm(cfg)
         self.mlp = SwiGLU(cfg) if cfg.arch == "llama" else MLP(cfg)
 
-    def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None, documents=None):
+    def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None, documents=None,
+                queries: int = 0):
+        """x [B, T, C] -> [B, T, C]; with `queries` > 0 only the last `queries` positions' outputs
+        [B, queries, C] (keys and values still come from all T: see `CausalSelfAttention`)."""
+        rows = x[:, -queries:] if queries else x
         if self.parallel:
-            return x + self.attn(self.ln_1(x), rope, cache, capture, documents) + self.mlp(self.ln_2(x))
-        x = x + self.attn(self.ln_1(x), rope, cache, capture, documents)
-        return x + self.mlp(self.ln_2(x))
+            return rows + self.attn(self.ln_1(x), rope, cache, capture, documents, queries) + self.mlp(self.ln_2(rows))
+        rows = rows + self.attn(self.ln_1(x), rope, cache, capture, documents, queries)
+        return rows + self.mlp(self.ln_2(rows))
 
 
 class KVCache:
@@ -146,11 +150,16 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         capture: list | None = None,
         documents: torch.Tensor | None = None,
+        keep: int = 0,
     ) -> torch.Tensor:
         """Final (ln_f) hidden states [B, T, C]. With a cache, idx continues the cached tokens.
 
         documents [B, T]: each token's document id in a packed row (non-decreasing), read where
-        `cfg.doc_mask` is on (None: the row is one document); see `model.documents`."""
+        `cfg.doc_mask` is on (None: the row is one document); see `model.documents`.
+        keep > 0: only the last `keep` positions' states [B, keep, C]. Nothing reads the last
+        block's other outputs, so it runs its attention queries and MLP on those positions only
+        (its keys and values on all): the same numbers, and for a shallow model at long lengths
+        close to one block's work less (the passkey scorer needs a few positions of 8K)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
         documents = Documents(documents) if self.cfg.doc_mask and documents is not None else None
@@ -163,7 +172,8 @@ class GPT(nn.Module):
             if past and self.rope is not None and self.rope.base_at(past) != self.rope.base_at(past + T):
                 tokens = torch.cat((cache.tokens, idx), dim=1)  # dynamic NTK: every layer is stale
                 cache.clear()
-                return self.hidden_states(tokens, cache, capture)[:, -T:]
+                rows = min(keep, T) if keep > 0 else T
+                return self.hidden_states(tokens, cache, capture, keep=rows)[:, -rows:]
             cache.record(idx)
         length = past + T
         x = self.wte(idx)
@@ -175,12 +185,14 @@ class GPT(nn.Module):
             else:
                 rope = self.rope.tables(torch.arange(past, length, device=idx.device), length, x.dtype)
         remat = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        keep = keep if 0 < keep < T and capture is None and documents is None else 0
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
+            queries = keep if i == len(self.h) - 1 else 0
             if remat and layer_cache is None and capture is None:
-                x = checkpoint(block, x, rope, None, None, documents, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, None, documents, queries, use_reentrant=False)
             else:
-                x = block(x, rope, layer_cache, capture, documents)
+                x = block(x, rope, layer_cache, capture, documents, queries)
         return self.ln_f(x)
 
     def forward(
@@ -197,9 +209,10 @@ class GPT(nn.Module):
         `loss_tokens` instead: by default the number of counted targets (the mean). Training
         passes a share of the global batch's count, so that micro-batches and ranks are weighted
         by their tokens (`train.trainer`). `documents`: see `hidden_states`."""
-        h = self.hidden_states(idx, cache, documents=documents)
         if targets is None:
+            h = self.hidden_states(idx, cache, documents=documents, keep=max(logits_to_keep, 0))
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
+        h = self.hidden_states(idx, cache, documents=documents)
         self._check_targets(h, targets)
         h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         counted = targets != -100
@@ -268,7 +281,7 @@ class GPT(nn.Module):
         stop_ids = torch.tensor(sorted(stop), dtype=idx.dtype, device=idx.device)
         stopped = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         cache = KVCache(self.cfg.n_layer)
-        logits = self.lm_head(self.hidden_states(idx, cache)[:, -1])
+        logits = self.lm_head(self.hidden_states(idx, cache, keep=1)[:, -1])
         for step in range(max_new_tokens):
             token = next_token(logits, temperature, top_k, top_p, greedy, generator)
             yield token

@@ -98,14 +98,22 @@ def test_loss_and_token_losses_match_full_logits(attention, form, arch, monkeypa
     torch.testing.assert_close(per_token, want_tokens.view(2, 10).float())
 
 
-def test_logits_to_keep_is_the_tail_of_the_full_logits():
-    model = small()
-    idx = tokens(2, 12, seed=6)
+@pytest.mark.parametrize("arch, parallel", [("neox", True), ("neox", False), ("llama", False)])
+@pytest.mark.parametrize("attention, form, scaling",
+                         [(a, f, s) for a, f in VARIANTS for s in ("none", "dynamic") if a != "alibi" or s == "none"])
+def test_logits_to_keep_is_the_tail_of_the_full_logits(attention, form, scaling, arch, parallel):
+    """The tail of the full forward, past the training length too (dynamic NTK), while the last
+    block's MLP sees only the kept positions (its attention queries the same ones)."""
+    model = small(attention, form, arch, rope_scaling=RopeScaling(scaling, 4.0), parallel_residual=parallel)
+    idx = tokens(2, 20, seed=6)
+    rows = []
+    model.h[-1].mlp.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
     with torch.no_grad():
         full = model(idx)
-        for keep in (1, 5, 12):
-            torch.testing.assert_close(model(idx, logits_to_keep=keep), full[:, -keep:], rtol=1e-12, atol=1e-12)
-        assert model(idx, logits_to_keep=5).shape == (2, 5, 64)
+        for keep in (1, 5, 20, 30):
+            got = model(idx, logits_to_keep=keep)
+            torch.testing.assert_close(got, full[:, -keep:], rtol=1e-12, atol=1e-12)
+    assert rows == [20, 1, 5, 20, 20]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -322,7 +322,8 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
             bar_only: bool = False) -> dict[str, list[Path]]:
     """One table and one figure per task with a line per (run, scaling); with replicates, the seed
     report against the pre-registered family in `family_path`. `bar_only`: only the runs whose
-    final checkpoint passes the training bar (`eval.bar`), a post hoc subset labelled so."""
+    final checkpoint passes the training bar (`eval.bar`), a post hoc subset labelled so; nothing
+    is written when none does."""
     family = aggregate.load_family(family_path)
     loaded, progress = [], {}
     for run in run_dirs:
@@ -335,6 +336,8 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
     if bar_only:
         loaded = _past_the_bar(loaded, progress)
         run_dirs = [run for run, _, _ in loaded]
+        if not loaded:
+            return {}
     labels = [next(iter(r.values()))["meta"]["label"] for _, _, r in loaded]
     if len(set(labels)) < len(labels):
         labels = [f"{run.name} ({label})" for (run, _, _), label in zip(loaded, labels)]
@@ -364,15 +367,12 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
 
 def _past_the_bar(loaded: list, progress: dict[Path, BarProgress | None]) -> list:
     """The loaded runs whose final checkpoint passes the bar; a `DataError` for a run without the
-    table, or when none passes."""
+    table."""
     missing = [str(run) for run, _, _ in loaded if progress[run] is None]
     if missing:
         raise DataError(f"--bar-only needs each run's {PROGRESS_FILE} (`python -m bench.passkey_progress`); "
                         f"missing for {', '.join(missing)}")
-    kept = [item for item in loaded if progress[item[0]].passes]
-    if not kept:
-        raise DataError(f"--bar-only: no run's final checkpoint reaches the bar ({BAR} in {PROGRESS_FILE})")
-    return kept
+    return [item for item in loaded if progress[item[0]].passes]
 
 
 # ----------------------------------------------------------------------------- seeds
@@ -646,6 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         written = compare(args.runs, args.out, args.family, args.bar_only)
     except (FileNotFoundError, ValueError) as e:
         return report_error(e, exit_code(e))
+    if not written:
+        print(f"--bar-only: no run's final checkpoint reaches the bar ({BAR} in {PROGRESS_FILE}): nothing written")
     for task, paths in written.items():
         for p in paths:
             print(f"{task}: {p}")

@@ -278,13 +278,14 @@ def test_bar_only_report_keeps_the_runs_past_the_bar_and_labels_itself_explorato
     assert "coca_s5" not in (tmp_path / "past" / "seeds_values.csv").read_text()
 
 
-def test_bar_only_without_the_progress_table_is_one_line(tmp_path, capsys):
+def test_bar_only_without_the_progress_table_is_one_line_and_an_empty_subset_writes_nothing(tmp_path, capsys):
     runs = [_seed_run(tmp_path, f"origin_s{s}", "origin", "A", s, 11.0, 4, 10) for s in (1, 2)]
     _progress(runs[0], [1.0])
     assert report.main([str(r) for r in runs] + ["--out", str(tmp_path / "r"), "--bar-only"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "passkey_progress.md" in err and "origin_s2" in err
     _progress(runs[1], [0.5])
-    _progress(runs[0], [0.5])
-    assert report.main([str(r) for r in runs] + ["--out", str(tmp_path / "r"), "--bar-only"]) == 1
-    assert "no run's final checkpoint reaches the bar" in capsys.readouterr().err
+    _progress(runs[0], [0.5])  # an empty subset is a result, not an error: said, nothing written
+    assert report.main([str(r) for r in runs] + ["--out", str(tmp_path / "r"), "--bar-only"]) == 0
+    assert "no run's final checkpoint reaches the bar" in capsys.readouterr().out
+    assert not list((tmp_path / "r").glob("*"))

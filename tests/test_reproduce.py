@@ -91,7 +91,9 @@ def test_study_shortened(tmp_path: Path) -> None:
                 labels={run: LABELS[v] for run, v in runs.items()}, report_dir=tmp_path / "results")
     summary = (tmp_path / "results" / "seeds_summary.csv").read_text()
     assert "origin + dynamic:4" in summary and ",alibi," in summary
-    assert "Seed-aggregated comparison" in (tmp_path / "results" / "seeds_report.md").read_text()
+    report = (tmp_path / "results" / "seeds_report.md").read_text()
+    assert "Seed-aggregated comparison" in report and "| origin | 0 of 2 |" in report  # 3 steps: no bar
+    assert not (tmp_path / "results" / "bar_only").exists()  # the post hoc subset is empty: nothing written
     for run in runs:
         progress = (tmp_path / "results" / run / "passkey_progress.md").read_text()
         assert f"| {run}/step_00000003 |" in progress

@@ -116,13 +116,16 @@ def declared(requirements: Path, no_deps: bool = False) -> set[str]:
 
 
 def undeclared(command: str, requirements: Path, no_deps: bool = False) -> list[str]:
-    """`module imports name (distribution)` for each third-party import no declared distribution provides."""
+    """`module imports name (distribution)` for each third-party import no declared distribution
+    provides. An import that no installed distribution provides (an optional one, such as
+    bench.train's litgpt, on a machine without it) is taken to come from the distribution of its
+    own name."""
     distributions = packages_distributions()
     allowed = declared(requirements, no_deps)
     missing = []
     for name, module in sorted(third_party_imports(command).items()):
         providers = {_normal(d) for d in distributions.get(name, [])}
-        if not providers & allowed:
+        if not (providers or {_normal(name)}) & allowed:
             missing.append(f"{module} imports {name} ({', '.join(sorted(providers)) or 'not installed'})")
     return missing
 

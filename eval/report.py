@@ -646,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         written = compare(args.runs, args.out, args.family, args.bar_only)
     except (FileNotFoundError, ValueError) as e:
         return report_error(e, exit_code(e))
-    if not written:
+    if args.bar_only and not written:
         print(f"--bar-only: no run's final checkpoint reaches the bar ({BAR} in {PROGRESS_FILE}): nothing written")
     for task, paths in written.items():
         for p in paths:

@@ -210,7 +210,7 @@ class GPT(nn.Module):
         passes a share of the global batch's count, so that micro-batches and ranks are weighted
         by their tokens (`train.trainer`). `documents`: see `hidden_states`."""
         if targets is None:
-            h = self.hidden_states(idx, cache, documents=documents, keep=max(logits_to_keep, 0))
+            h = self.hidden_states(idx, cache, documents=documents, keep=logits_to_keep)
             return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep > 0 else h)
         h = self.hidden_states(idx, cache, documents=documents)
         self._check_targets(h, targets)

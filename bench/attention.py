@@ -5,9 +5,10 @@
     python -m bench.attention --mode eval                      # forward only, no autograd
 
 Each case is one attention layer (`model.attention.CausalSelfAttention`: fused qkv projection, the
-variant's q/k transform, the shared kernel, output projection) on random x [B, N, H * D]. Variants:
-origin, alibi, coca-slack, coca-strict (the model's code) and `coca-released`, the released CoCA
-code's formulation written out here as a baseline on the same projections: it materialises the
+design's q/k transform, the shared kernel, output projection) on random x [B, N, H * D]. Variants:
+every design of the registry by its label (origin, alibi, coca-slack, coca-strict, ...: the model's
+code) and `coca-released`, the released CoCA code's formulation written out here as a baseline on
+the same projections: it materialises the
 N x N score matrix (`contract('bpnd,bpsd,bpnd->bpns', q, rope(t), rope(q))`, a boolean causal-mask
 buffer, softmax).
 
@@ -32,9 +33,11 @@ import torch
 
 from model.attention import CausalSelfAttention
 from model.config import ModelConfig, RopeScaling
-from model.transforms import Rope, RopeTables, apply_rope, coca_tie
+from model.designs import BY_LABEL, Design, Rope, RopeTables, apply_rope
+from model.designs.coca import COCA_SLACK, coca_tie
 
-VARIANTS = ("origin", "alibi", "coca-slack", "coca-strict", "coca-released")
+RELEASED = "coca-released"  # the released CoCA code's formulation (below), on CoCA slack's layer
+VARIANTS = (*BY_LABEL, RELEASED)
 
 
 def released_coca(q, t, v, rope: RopeTables) -> torch.Tensor:
@@ -55,19 +58,21 @@ def released_layer(layer: CausalSelfAttention, x: torch.Tensor, rope: RopeTables
     return layer.proj(released_coca(q, t, v, rope).transpose(1, 2).reshape(B, N, C))
 
 
+def design(variant: str) -> Design:
+    return COCA_SLACK if variant == RELEASED else BY_LABEL[variant]
+
+
 def build_layer(variant: str, args) -> CausalSelfAttention:
-    attention, _, form = variant.partition("-")
-    cfg = ModelConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, attention=attention,
-                      coca_form="slack" if form in ("", "released") else form)
+    cfg = ModelConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, **design(variant).settings())
     return CausalSelfAttention(cfg).to(args.device, getattr(torch, args.dtype))
 
 
 def materialised_bytes(variant: str, n: int, args) -> int:
     """Rough size of the N x N tensors a case keeps alive (0 when it has none)."""
     per_score = args.batch * args.heads * n * n
-    if variant == "coca-released":
+    if variant == RELEASED:
         return per_score * (3 * 4 + 1)  # scores, where, softmax (kept for backward) + mask
-    if variant == "alibi" and args.device == "cpu" and args.mode == "train":
+    if design(variant).slopes is not None and args.device == "cpu" and args.mode == "train":
         return per_score * 4 * 2  # CPU fallback: additive bias chunks kept for backward
     return 0
 
@@ -82,13 +87,13 @@ def make_step(variant: str, n: int, args):
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=train)
     grad_out = torch.randn(shape, device=device, dtype=dtype)
     rope = None
-    if variant != "alibi":
+    if design(variant).rope:
         rope = Rope(args.head_dim, 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
     inputs = [x, *layer.parameters()] if train else []
 
     def step() -> None:
         with torch.set_grad_enabled(train):
-            out = released_layer(layer, x, rope) if variant == "coca-released" else layer(x, rope)
+            out = released_layer(layer, x, rope) if variant == RELEASED else layer(x, rope)
             if train:
                 torch.autograd.grad(out, inputs, grad_out)
         if device.type == "cuda":
@@ -101,15 +106,16 @@ def peak_memory(variant: str, n: int, args) -> int:
     """Peak extra memory (bytes) of one run of a case, beyond its inputs and the layer."""
     if args.device == "cuda":
         step = make_step(variant, n, args)
-        step()  # warm-up (compiles FlexAttention for ALiBi)
+        step()  # warm-up (compiles FlexAttention for a design with a bias)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         step()
         return torch.cuda.max_memory_allocated() - base
     # CPU, in a fresh worker process: warm up the same code on small inputs first (library start-up
-    # buffers; for ALiBi in eval mode, compiling FlexAttention for static and then dynamic shapes),
-    # then reset the kernel's peak-RSS mark (VmHWM) and read its growth over one full-size run.
-    warm_lengths = (64, 1024, 2048) if variant == "alibi" and args.mode == "eval" else (64,)
+    # buffers; for a bias design in eval mode, compiling FlexAttention for static and then dynamic
+    # shapes), then reset the kernel's peak-RSS mark (VmHWM) and read its growth over one full-size run.
+    biased = design(variant).slopes is not None
+    warm_lengths = (64, 1024, 2048) if biased and args.mode == "eval" else (64,)
     for warm in warm_lengths:
         make_step(variant, warm, args)()
     step = make_step(variant, n, args)

@@ -34,10 +34,10 @@ import torch
 from bench.attention import peak_rss, reset_peak_rss
 from model.attention import CausalSelfAttention
 from model.config import ModelConfig, RopeScaling
+from model.designs import BY_LABEL, Rope
 from model.documents import Documents
-from model.transforms import Rope
 
-ATTENTIONS = ("origin", "alibi", "coca-slack", "coca-strict")
+ATTENTIONS = tuple(BY_LABEL)  # every design of the registry, by label
 WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}  # see the module docstring
 
 
@@ -73,16 +73,15 @@ def packed_documents(n: int, batch: int, args) -> torch.Tensor:
 def make_step(attention: str, masked: bool, n: int, args, documents: torch.Tensor):
     """One case's inputs and a function running forward and backward once."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    kind, _, form = attention.partition("-")
-    cfg = ModelConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, attention=kind,
-                      coca_form=form or "slack", doc_mask=masked)
+    design = BY_LABEL[attention]
+    cfg = ModelConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, **design.settings(), doc_mask=masked)
     torch.manual_seed(0)
     layer = CausalSelfAttention(cfg).to(device, dtype)
     shape = (documents.shape[0], n, cfg.n_embd)
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(shape, device=device, dtype=dtype)
     rope = None
-    if kind != "alibi":
+    if design.rope:
         rope = Rope(args.head_dim, 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
     docs = Documents(documents.to(device)) if masked else None
     inputs = [x, *layer.parameters()]

@@ -1,4 +1,4 @@
-"""Evaluation throughput and peak memory at long lengths, per attention variant.
+"""Evaluation throughput and peak memory at long lengths, per attention design.
 
     python bench/eval.py [--lengths 2048 8192 32768] [--flavor tiny] [--device cpu]
 
@@ -24,8 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-VARIANTS = {"origin": {}, "alibi": {"attention": "alibi"}, "coca-slack": {"attention": "coca"},
-            "coca-strict": {"attention": "coca", "coca_form": "strict"}}
+from model.designs import BY_LABEL  # noqa: E402  (after the path: run as a script)
+
+VARIANTS = tuple(BY_LABEL)  # every design of the registry, by label
 
 
 def rss_mb() -> float:
@@ -40,7 +41,7 @@ def worker(variant: str, length: int, task: str, flavor_name: str, device: str, 
     from model.config import flavor
 
     torch.manual_seed(0)
-    model = GPT(flavor(flavor_name, **VARIANTS[variant])).to(device).eval()
+    model = GPT(flavor(flavor_name, **BY_LABEL[variant].settings())).to(device).eval()
     idx = torch.randint(0, model.cfg.vocab_size, (1, length), device=device)
     targets = torch.roll(idx, -1, dims=1)
     cuda = device.startswith("cuda")

@@ -68,6 +68,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from model.designs import design_of
+
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = "[256,512,1024,2048,4096,8192]"
 BEFORE_EVAL = (f"ppl.lengths={LENGTHS} ppl.stride=2048 ppl.n_docs=3 passkey.lengths={LENGTHS} "
@@ -107,7 +109,8 @@ def timed(cmd: list[str], threads: int) -> float:
 
 def measure(run: Path, part: str) -> dict:
     overrides, scalings, threads, bar_batch = part_settings(part)
-    if OmegaConf.load(run / "config.yaml").model.attention == "alibi":
+    m = OmegaConf.load(run / "config.yaml").model
+    if not design_of(m.attention, m.get("coca_form", "slack")).rope:
         scalings = "[none]"  # as launch/reproduce_study.sh
     with tempfile.TemporaryDirectory() as out:
         wall = timed([sys.executable, "-m", "eval", f"run={run}", "task=all", f"scalings={scalings}",

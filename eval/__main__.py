@@ -93,7 +93,7 @@ class Session:
         if not requested:
             rs = self.cfg.model.rope_scaling
             requested = [Scaling.parse(f"{rs.type}:{rs.factor}") if rs.type is not None else self.trained]
-        return applicable(requested, self.train_cfg.model.attention)
+        return applicable(requested, self.train_cfg.model.design)
 
 
 def check_sources_listed(cfg: EvalConfig) -> None:
@@ -122,9 +122,9 @@ def open_session(cfg: EvalConfig) -> Session:
     stream, prompt_seed = cfg.prompt_stream(train_cfg.seed)
     meta = {
         "run": str(run),
-        "label": m.attention if m.attention != "coca" else f"coca-{m.coca_form}",
+        "label": m.design.label,
         "attention": m.attention,
-        "coca_form": m.coca_form if m.attention == "coca" else None,
+        "coca_form": m.design.coca_form,
         "train_len": m.max_seq_len,
         "n_layer": m.n_layer,
         "n_embd": m.n_embd,
@@ -200,7 +200,7 @@ def run_attention(s: Session) -> dict:
     layers = c.layers or default_plot_layers(n_layer)
     if max(layers) > n_layer:
         raise EvalError(f"attention.layers: layer {max(layers)} > model.n_layer={n_layer}")
-    scalings, notes = applicable([Scaling.parse(x) for x in c.scalings], s.train_cfg.model.attention)
+    scalings, notes = applicable([Scaling.parse(x) for x in c.scalings], s.train_cfg.model.design)
     (segment,) = s.documents(length, 1)
     rows, profiles = sweep_attention(s.model, segment, scalings, s.trained, layers, c.sigma, c.window, c.chunk)
     s.out.mkdir(parents=True, exist_ok=True)

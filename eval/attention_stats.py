@@ -2,7 +2,7 @@
 
 The seed article (Figure 11) shows that Origin's scores at ~4x the training length have outliers
 10-20x larger than CoCA's and almost no attention on nearby tokens in the last layer. Here, from a
-layer's `q_eff`, `k_eff` (and ALiBi slopes) as returned by `GPT.capture_qk`, the causal scores
+layer's `q_eff`, `k_eff` (and a distance bias's slopes, ALiBi's) as returned by `GPT.capture_qk`, the causal scores
 
     s(h, m, n) = q_eff[h, m] . k_eff[h, n] / sqrt(D) - slope_h * (m - n),   n <= m
 
@@ -27,7 +27,7 @@ import torch
 class AttentionInputs(Protocol):
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D]
-    alibi_slopes: torch.Tensor | None  # [H] or None
+    slopes: torch.Tensor | None  # [H]: a distance bias -slope_h (m - n) (ALiBi's), or None
 
 
 def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,8 +37,8 @@ def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Te
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     m = torch.arange(start, end, device=q.device)[:, None]
     n = torch.arange(end, device=q.device)[None, :]
-    if layer.alibi_slopes is not None:
-        scores = scores - layer.alibi_slopes.float().to(q.device)[:, None, None] * (m - n)
+    if layer.slopes is not None:
+        scores = scores - layer.slopes.float().to(q.device)[:, None, None] * (m - n)
     return scores, (n <= m).expand_as(scores)
 
 

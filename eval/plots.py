@@ -29,13 +29,12 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogFormatter  # noqa: E402
 
+from model.designs import DESIGNS  # noqa: E402
+
 Series = Mapping[str, tuple[Sequence[int], Sequence[float]]]
 
 DESIGN_COLORS = {
-    "origin": "#1f77b4",
-    "alibi": "#2ca02c",
-    "coca": "#ff7f0e",
-    "coca_strict": "#d62728",
+    **{key: design.colour for key, design in DESIGNS.items()},  # the registry's
     "text": "#7f7f7f",
     # the extension experiment's arms (conf/study/extension.yaml): one colour each, no fallback clash
     "continue_origin": "#8c564b",
@@ -45,7 +44,8 @@ DESIGN_COLORS = {
     "extend_abf": "#17becf",
 }
 FALLBACK_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#393b79", "#637939")
-DESIGN_ALIASES = {"coca-slack": "coca", "coca_slack": "coca", "coca-strict": "coca_strict"}
+# a design's result label (`coca-slack`) and its label with an underscore name its key (`coca`)
+DESIGN_ALIASES = {alias: key for key, d in DESIGNS.items() for alias in {d.label, d.label.replace("-", "_")} - {key}}
 LINESTYLES = ("--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)))
 SCALING_NAMES = {"linear": "linear (PI)", "ntk": "NTK", "dynamic": "dynamic NTK", "yarn": "YaRN"}
 MAX_COLUMNS = 3

@@ -1,8 +1,8 @@
 """The RoPE-scaling sweep: every task run under each scaling on one loaded model.
 
 Scaling is switched in place with `model.set_rope_scaling` (no reload, no retraining) and put back
-to the trained setting afterwards. ALiBi has no RoPE: only `none` applies, other scalings are
-skipped with a note that ends up in the report.
+to the trained setting afterwards. A design without RoPE (ALiBi) takes only `none`: other scalings
+are skipped with a note that ends up in the report.
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from eval.config import Scaling
 from eval.passkey import score_cases
 from eval.perplexity import evaluate_perplexity
 from eval.recall import score_recall
+from model import Design
 
 
-def applicable(scalings: Sequence[Scaling], attention: str) -> tuple[list[Scaling], list[str]]:
-    """The scalings that apply to this attention, and notes about the ones skipped."""
-    if attention != "alibi":
+def applicable(scalings: Sequence[Scaling], design: Design) -> tuple[list[Scaling], list[str]]:
+    """The scalings that apply to this design, and notes about the ones skipped."""
+    if design.rope:
         return list(scalings), []
     kept = [s for s in scalings if s.type == "none"]
     skipped = [s.label for s in scalings if s.type != "none"]
-    notes = [f"ALiBi has no RoPE: scaling {', '.join(skipped)} skipped"] if skipped else []
+    notes = [f"{design.name} has no RoPE: scaling {', '.join(skipped)} skipped"] if skipped else []
     if not kept:
         kept, notes = [Scaling("none")], notes + ["evaluated without scaling instead"]
     return kept, notes

@@ -5,12 +5,13 @@ arch=neox, Llama's for arch=llama: `hf.names`), `generation_config.json`, the Se
 a `tokenizer.json` that `AutoTokenizer` loads (standard `PreTrainedTokenizerFast`, same ids as
 `data.tokenizer.Tokenizer`), and the marker `coca_lm_export.json` listing these files.
 
-- origin: a plain `GPTNeoXForCausalLM` (arch=neox) or `LlamaForCausalLM` (arch=llama: grouped-query
-  attention, tied or untied embeddings), no custom code.
-- alibi, coca slack, coca strict: also `modeling_coca_lm.py` (beside this file) and `transforms.py`
-  (a copy of `model/transforms.py`, the math the modeling file imports as `.transforms`), named in
-  `auto_map` (`CocaLMForCausalLM`, either architecture: `arch` in the config); load with
-  `trust_remote_code=True`. Both import only torch (and transformers).
+- origin (a design whose registry record says `native_hf`): a plain `GPTNeoXForCausalLM`
+  (arch=neox) or `LlamaForCausalLM` (arch=llama: grouped-query attention, tied or untied
+  embeddings), no custom code.
+- every other design (alibi, coca slack, coca strict, ...): also `modeling_coca_lm.py` (beside this
+  file) and the files of `model/designs/` (the math the modeling file imports with one dot), named
+  in `auto_map` (`CocaLMForCausalLM`, either architecture: `arch` in the config); load with
+  `trust_remote_code=True`. They import only torch (and transformers).
 
 `out` must be new, empty, or (to replace it, with `overwrite`) a previous export holding only what
 the marker lists (`check_out`); the export is written into a temporary sibling and renamed in, so
@@ -38,10 +39,12 @@ from safetensors.torch import save_file
 from data.config import check_dir
 from data.tokenizer import Tokenizer
 from hf.names import hf_state_dict
-from model import GPT, ModelConfig, transforms
+from model import GPT, ModelConfig, designs
 
-# The remote code of the ALiBi and CoCA exports: the modeling file and the math it imports.
-REMOTE_CODE = (Path(__file__).with_name("modeling_coca_lm.py"), Path(transforms.__file__))
+# The remote code of every export but Origin's: the modeling file and the design package it imports
+# (its `__init__` aside: the modeling file imports the modules themselves).
+REMOTE_CODE = (Path(__file__).with_name("modeling_coca_lm.py"),
+               *sorted(p for p in Path(designs.__file__).parent.glob("*.py") if p.name != "__init__.py"))
 EXPORT_MARKER = "coca_lm_export.json"  # names what the export wrote: overwrite=true replaces only that
 
 
@@ -56,7 +59,7 @@ def rope_parameters(m: ModelConfig) -> dict:
     if m.arch == "neox":
         params["partial_rotary_factor"] = float(m.rotary_pct)
     if s.type == "ntk":
-        rope = transforms.Rope(m.rotary_dims, m.rope_base, m.max_seq_len, s)
+        rope = designs.Rope(m.rotary_dims, m.rope_base, m.max_seq_len, s)
         params["rope_theta"] = rope.base_at(m.max_seq_len)
     elif s.type in ("linear", "dynamic"):
         params.update(rope_type=s.type, factor=float(s.factor))
@@ -82,9 +85,9 @@ def _architecture(m: ModelConfig) -> dict:
 
 
 def hf_config(m: ModelConfig, tokenizer: Tokenizer) -> dict:
-    """config.json: for Origin a plain GPT-NeoX or Llama config (`m.arch`), with the pre-5.0 names
-    of the RoPE fields too, for older transformers; for the others a `coca_lm` config, which adds
-    `arch`, `attention`, `coca_form` and the `auto_map` naming the remote code."""
+    """config.json: for Origin (`native_hf`) a plain GPT-NeoX or Llama config (`m.arch`), with the
+    pre-5.0 names of the RoPE fields too, for older transformers; for the others a `coca_lm` config,
+    which adds `arch`, `attention`, `coca_form` and the `auto_map` naming the remote code."""
     config = {
         "vocab_size": m.vocab_size, "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
         "num_attention_heads": m.n_head, "intermediate_size": m.ffn_hidden, **_architecture(m),
@@ -95,14 +98,14 @@ def hf_config(m: ModelConfig, tokenizer: Tokenizer) -> dict:
     }
     rope = config["rope_parameters"]
     scaling = rope if rope["rope_type"] != "default" else None
-    if m.attention == "origin" and m.arch == "llama":
+    if m.design.native_hf and m.arch == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
                 "rms_norm_eps": m.layernorm_eps, "rope_theta": rope["rope_theta"], "rope_scaling": scaling}
     block = {"layer_norm_eps": m.layernorm_eps, "use_parallel_residual": m.parallel_residual}  # coca_lm's too
-    if m.attention == "origin":
+    if m.design.native_hf:
         return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **config, **block,
                 "rotary_pct": m.rotary_pct, "rotary_emb_base": rope["rope_theta"], "rope_scaling": scaling}
-    if m.attention == "alibi":
+    if not m.design.rope:
         del config["rope_parameters"]
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
             "attention": m.attention, "coca_form": m.coca_form, **config, **block,
@@ -220,7 +223,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: b
         generation = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id,
                       "pad_token_id": tokenizer.pad_id, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if m.attention != "origin":
+        if not m.design.native_hf:
             for code in REMOTE_CODE:
                 shutil.copyfile(code, tmp / code.name)
         save_tokenizer(tokenizer, tmp)

@@ -8,7 +8,7 @@ transformers model is built: the config is read as JSON, the tensors with `safet
   rotary (`rotary_pct` / `partial_rotary_factor`), `use_parallel_residual`, LayerNorm eps.
 - `LlamaForCausalLM` (`model_type: llama`): arch=llama, Origin attention, grouped-query attention
   (`num_key_value_heads`), RMSNorm eps.
-- this project's exports (`hf.export`): Origin ones are one of the above; ALiBi and CoCA ones are
+- this project's exports (`hf.export`): Origin ones are one of the above; the other designs' are
   `model_type: coca_lm` with `arch`, `attention` and `coca_form`.
 
 Read from config.json: the sizes, heads and kv heads, `vocab_size` (the embedding's rows, often
@@ -40,7 +40,7 @@ import torch
 
 from errors import ConfigError, UserError
 from hf.names import hf_names, llama_hf_names
-from model import GPT, ModelConfig
+from model import DESIGNS, GPT, ModelConfig
 from model.config import RopeScaling
 from model.convert import check_conversion
 
@@ -48,7 +48,7 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MODEL_TYPES = {"gpt_neox": "GPTNeoXForCausalLM, Pythia", "llama": "LlamaForCausalLM",
-               "coca_lm": "this project's ALiBi / CoCA export"}
+               "coca_lm": "this project's export of a design other than Origin"}
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
 # The RoPE fields each type may carry (the ones our RoPE computes, as hf.export writes them).
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings"}
@@ -200,8 +200,8 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
                       f"a head here has hidden_size / num_attention_heads = {hidden}/{heads} dimensions")
     max_positions = _get(config, "max_position_embeddings", int, where)
     base, pct, scaling = _rope(config, arch, where, max_positions)
-    if attention == "alibi":
-        pct, scaling = 1.0, RopeScaling()  # ALiBi has no RoPE: our default, whatever the config says
+    if attention in {d.attention for d in DESIGNS.values() if not d.rope}:
+        pct, scaling = 1.0, RopeScaling()  # no RoPE (ALiBi): our default, whatever the config says
     kv = _get(config, "num_key_value_heads", int, where, heads) if arch == "llama" else heads
     eps_key = "rms_norm_eps" if arch == "llama" and model_type == "llama" else "layer_norm_eps"
     eps = _get(config, eps_key, float, where, defaults.get(eps_key, 1e-5))

@@ -1,10 +1,11 @@
-"""Hugging Face modelling code for coca-lm's ALiBi and CoCA models, shipped inside every exported
-directory and loaded with `trust_remote_code=True`.
+"""Hugging Face modelling code for coca-lm's designs other than Origin (which exports as GPT-NeoX or
+Llama), shipped inside every such exported directory and loaded with `trust_remote_code=True`.
 
-It imports only `torch`, `transformers` and `transforms.py`, which the export writes beside it: that
-file is coca-lm's own `model/transforms.py` (RoPE and its scalings, CoCA's q/k transforms, ALiBi's
-slopes and bias), so the exported model runs the training code's math, not a copy, and a user
-needs neither this project nor its config tree:
+It imports only `torch`, `transformers` and coca-lm's own design package (`model/designs/`: RoPE
+and its scalings, the registry, each design's q/k transform and bias), whose files the export
+writes beside it, so the exported model runs the training code's math, not a copy, and a user
+needs neither this project nor its config tree. Each layer computes q_eff, k_eff = design.qk(q, k,
+rope) and softmax(q_eff k_eff^T / sqrt(D) [- slope_h (m - n)]) v; e.g.
 
     alibi        scores = q k^T / sqrt(D) - slope_h * (m - n)
     coca slack   q_eff = q * rope(q, m)              k_eff = rope(t, n)
@@ -19,10 +20,10 @@ LlamaForCausalLM), so an export's weights carry GPT-NeoX's or Llama's names:
     llama  RMSNorm    SwiGLU: down(silu(gate) * up)   q, k, v, o; k and v of num_key_value_heads heads
 
 (grouped-query attention: query head h uses key/value head h // (heads / kv heads), as Llama's).
-Attention runs on `scaled_dot_product_attention` (ALiBi: over chunks of query rows with an additive
-bias, so memory stays linear in the length). The KV cache holds k_eff and v; under dynamic NTK,
-`generate` rebuilds it when the base changes (every cached key depends on the base), as coca-lm's
-own `generate` does.
+Attention runs on `scaled_dot_product_attention` (a design with a distance bias: over chunks of
+query rows with an additive bias, so memory stays linear in the length). The KV cache holds k_eff
+and v; under dynamic NTK, `generate` rebuilds it when the base changes (every cached key depends on
+the base), as coca-lm's own `generate` does.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ try:
 except ImportError:  # transformers < 5
     from transformers import PretrainedConfig as PreTrainedConfig
 
-from .transforms import Rope, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie
+from .base import distance_bias
+from .registry import design_of
+from .rope import Rope
 
-ALIBI_CHUNK = 256  # query rows per chunk of the ALiBi bias [H, rows, keys]
+BIAS_CHUNK = 256  # query rows per chunk of a distance bias [H, rows, keys]
 # The output's cache field: `cache` from transformers 5.2x on, `past_key_values` before.
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
 
@@ -53,8 +56,9 @@ class CocaLMConfig(PreTrainedConfig):
 
     arch: neox (GPT-NeoX: biases, exact GELU, parallel residual by default) | llama (RMSNorm, SwiGLU,
     grouped-query attention with num_key_value_heads heads, no biases). layer_norm_eps is every
-    norm's eps. attention: alibi | coca; coca_form: slack | strict. max_position_embeddings is the
-    training length L0, which dynamic NTK scales from. rope_parameters (CoCA only): rope_type
+    norm's eps. attention: the design (coca-lm's `model.attention`: alibi, coca, ...); coca_form: slack |
+    strict (CoCA's). max_position_embeddings is the training length L0, which dynamic NTK scales
+    from. rope_parameters (designs with RoPE only): rope_type
     default | linear | dynamic | yarn, rope_theta, partial_rotary_factor, factor, and for yarn
     beta_fast, beta_slow and original_max_position_embeddings (the length it scales from; else L0).
     """
@@ -80,8 +84,8 @@ class CocaLMConfig(PreTrainedConfig):
         use_cache: bool = True,
         **kwargs,
     ):
-        if attention not in ("alibi", "coca") or coca_form not in ("slack", "strict"):
-            raise ValueError(f"attention={attention!r}, coca_form={coca_form!r}: need alibi|coca and slack|strict")
+        if design_of(attention, coca_form).native_hf:
+            raise ValueError(f"attention={attention!r} exports as its architecture's own class, not coca_lm")
         kv_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         if arch not in LAYOUT or num_attention_heads % kv_heads or (arch == "neox" and kv_heads != num_attention_heads):
             raise ValueError(f"arch={arch!r}, num_key_value_heads={num_key_value_heads!r}: need neox|llama, and "
@@ -110,13 +114,14 @@ LAYOUT = {"neox": ("gpt_neox", "embed_in"), "llama": ("model", "embed_tokens")}
 
 
 def check_rope_parameters(config: CocaLMConfig) -> None:
-    """Refuse a RoPE scaling on ALiBi, as coca-lm does: ALiBi has no RoPE, so a scaling would be
-    accepted and change nothing. Checked when the config is made and again when a model is built
-    from it (the README's recipe assigns `config.rope_parameters` after loading the config)."""
+    """Refuse a RoPE scaling on a design without RoPE (ALiBi), as coca-lm does: it would be accepted
+    and change nothing. Checked when the config is made and again when a model is built from it
+    (the README's recipe assigns `config.rope_parameters` after loading the config)."""
     p = config.rope_parameters or UNSCALED
     scaled = p.get("rope_type", "default") != "default" or float(p.get("factor") or 1.0) != 1.0
-    if config.attention == "alibi" and (scaled or float(p.get("rope_theta", 10000.0)) != 10000.0):
-        raise ValueError(f"rope_parameters={p} on an ALiBi model: ALiBi has no RoPE to scale; "
+    design = design_of(config.attention, config.coca_form)
+    if not design.rope and (scaled or float(p.get("rope_theta", 10000.0)) != 10000.0):
+        raise ValueError(f"rope_parameters={p} on an {design.name} model: {design.name} has no RoPE to scale; "
                          "leave rope_parameters unset")
 
 
@@ -125,7 +130,7 @@ def check_rope_parameters(config: CocaLMConfig) -> None:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """`transforms.Rope`'s scaling (type none | linear | dynamic | yarn) from `rope_parameters`."""
+    """`rope.Rope`'s scaling (type none | linear | dynamic | yarn) from `rope_parameters`."""
 
     type: str
     factor: float
@@ -179,21 +184,22 @@ def _with_keys(mask: torch.Tensor, key_mask: torch.Tensor, first: int) -> torch.
     return (mask & key_mask[:, None, None, :]) | own
 
 
-def alibi_sdpa(q, k, v, key_mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA over chunks of query rows with the additive ALiBi bias; masked keys get the dtype's
-    most negative finite value (never -inf, which has produced NaN in CPU SDPA)."""
+def bias_sdpa(q, k, v, key_mask: torch.Tensor | None, slopes: torch.Tensor) -> torch.Tensor:
+    """SDPA over chunks of query rows with the additive distance bias -slope_h (m - n) (slopes [H],
+    float64); masked keys get the dtype's most negative finite value (never -inf, which has
+    produced NaN in CPU SDPA)."""
     tq, tk = q.shape[-2], k.shape[-2]
-    slopes = alibi_slopes(q.shape[1]).to(q.device)[:, None, None]
+    slopes = slopes.to(q.device)[:, None, None]
     offset = tk - tq
     out = []
-    for start in range(0, tq, ALIBI_CHUNK):
-        end = min(tq, start + ALIBI_CHUNK)
+    for start in range(0, tq, BIAS_CHUNK):
+        end = min(tq, start + BIAS_CHUNK)
         m = torch.arange(offset + start, offset + end, device=q.device)[:, None]
         n = torch.arange(offset + end, device=q.device)[None, :]
         allowed = n <= m
         if key_mask is not None:
             allowed = _with_keys(allowed, key_mask[:, : offset + end], offset + start)
-        bias = alibi_bias(slopes, m, n, allowed, q.dtype)
+        bias = distance_bias(slopes, m, n, allowed, q.dtype)
         out.append(F.scaled_dot_product_attention(q[..., start:end, :], k[..., : offset + end, :],
                                                   v[..., : offset + end, :], attn_mask=bias, enable_gqa=_gqa(q, k)))
     return torch.cat(out, dim=-2)
@@ -202,16 +208,14 @@ def alibi_sdpa(q, k, v, key_mask: torch.Tensor | None) -> torch.Tensor:
 class CocaLMAttention(nn.Module):
     """The projections of GPT-NeoX (`query_key_value`, fused per head, and `dense`, with biases) or
     of Llama (`q_proj`; `k_proj`, CoCA's T, and `v_proj` of num_key_value_heads heads; `o_proj`;
-    no biases), then the variant's q/k transform, the cache and the kernel."""
+    no biases), then the design's q/k transform, the cache and the kernel."""
 
     def __init__(self, config: CocaLMConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.attention, self.form = config.attention, config.coca_form
-        p = config.rope_parameters
-        self.rotary_dims = int(self.head_dim * p.get("partial_rotary_factor", 1.0))
+        self.design = design_of(config.attention, config.coca_form)
         self.fused = config.arch == "neox"
         width = config.hidden_size
         if self.fused:
@@ -235,12 +239,11 @@ class CocaLMAttention(nn.Module):
     def forward(self, x, rope, cache: Cache | None, key_mask: torch.Tensor | None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        if self.attention == "coca":
-            t = coca_tie(k, self.rotary_dims)
-            q, k = (coca_slack_qk if self.form == "slack" else coca_strict_qk)(q, t, rope)
+        q, k = self.design.qk(q, k, rope)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        y = alibi_sdpa(q, k, v, key_mask) if self.attention == "alibi" else causal_sdpa(q, k, v, key_mask)
+        slopes = self.design.slopes
+        y = causal_sdpa(q, k, v, key_mask) if slopes is None else bias_sdpa(q, k, v, key_mask, slopes(self.n_head))
         out = self.dense if self.fused else self.o_proj
         return out(y.transpose(1, 2).reshape(B, T, C))
 
@@ -341,7 +344,7 @@ class CocaLMModel(CocaLMPreTrainedModel):
         else:
             self.embed_in, self.final_layer_norm = embedding, norm_layer(config)
         check_rope_parameters(config)
-        self.rope = rope_from_config(config) if config.attention == "coca" else None
+        self.rope = rope_from_config(config) if design_of(config.attention, config.coca_form).rope else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

@@ -1,9 +1,10 @@
-"""GPT with Origin (RoPE), ALiBi and CoCA attention. Pure PyTorch: no training, data or I/O code."""
+"""GPT with the attention designs of `model.designs` (Origin/RoPE, ALiBi, CoCA, ...). Pure PyTorch: no
+training, data or I/O code."""
 
 from .attention import AttentionInputs
 from .config import FLAVORS, ModelConfig, RopeScaling, count_parameters, flavor
+from .designs import DESIGNS, Design, design_of
 from .gpt import GPT, KVCache
-from .transforms import alibi_slopes
 
 __all__ = [
     "GPT",
@@ -14,5 +15,7 @@ __all__ = [
     "FLAVORS",
     "flavor",
     "count_parameters",
-    "alibi_slopes",
+    "DESIGNS",
+    "Design",
+    "design_of",
 ]

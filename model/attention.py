@@ -1,4 +1,5 @@
-"""Causal self-attention: each variant is a small q/k transform followed by one shared kernel.
+"""Causal self-attention: each design is a q/k transform (and optionally a distance bias) before one
+shared kernel. The designs, their math and their records live in `model.designs` (the registry):
 
     origin       q_eff = rope(q, m)              k_eff = rope(k, n)
     coca slack   q_eff = q * rope(q, m)          k_eff = rope(t, n)          (the released code)
@@ -9,23 +10,18 @@ Scores are q_eff . k_eff / sqrt(head_dim) under the causal mask (with document m
 within the query's document: `model.documents`). With grouped-query attention (arch=llama,
 n_kv_head < n_head) k (CoCA's t) and v have n_kv_head heads, each shared by n_head / n_kv_head
 consecutive query heads (Llama's layout: query head h uses kv head h // group); every kernel takes
-them so (`enable_gqa`), and the KV cache stores only those heads. Origin and both CoCA forms run on
+them so (`enable_gqa`), and the KV cache stores only those heads. Designs without a bias run on
 `scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels: no N x N score
-matrix). ALiBi runs on FlexAttention with a score modification where it can (see `alibi_attention`).
+matrix); a design with slopes runs on FlexAttention with a score modification where it can (see
+`bias_attention`), else on SDPA over chunks of query rows with an additive bias.
 
-CoCA's t: the T projection replaces K. Each rotary pair (j, j + r/2) of t is tied by averaging and
-made non-negative, t_j = relu((t_j + t_{j+r/2}) / 2), so k = q_m * t_n is collinear with q_m in every
-rotated pair. With rotary_pct < 1 the non-rotary dims d >= r are not rotated, so k_d = q_d * t_d is
-collinear with q_d for any t_d >= 0: they get t_d = relu(t_d) each, and both forms score them as
-sum_d q_d^2 t_d (a position-free term). With rotary_pct = 1 this is exactly the released code.
-
-The transforms, RoPE and ALiBi's slopes and bias live in `model.transforms`, the one file of model
-math that the Hugging Face export ships too; this module holds the kernels and the layer.
+This module holds the kernels and the layer; it names no design.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -34,15 +30,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .designs import RopeTables
+from .designs.base import distance_bias
 from .documents import Documents, causal_segments, segment_attention
-from .transforms import RopeTables, alibi_bias, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie, origin_qk
+
+Slopes = Callable[[int], torch.Tensor]  # n_head -> [H] float64: a design's distance-bias slopes
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
 # ~30 s once per process plus a few seconds per new length; below this query length the chunked
-# SDPA path is used instead (see `alibi_attention`).
+# SDPA path is used instead (see `bias_attention`).
 CPU_FLEX_MIN_LEN = 1024
-# Query rows per chunk of the ALiBi additive-bias path: the bias is [H, rows, keys].
-ALIBI_CHUNK = 256
+# Query rows per chunk of the additive-bias path: the bias is [H, rows, keys].
+BIAS_CHUNK = 256
 
 
 class AttentionInputs(NamedTuple):
@@ -50,7 +49,7 @@ class AttentionInputs(NamedTuple):
 
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D] (under GQA each kv head repeated for the query heads it serves)
-    alibi_slopes: torch.Tensor | None  # [H]
+    slopes: torch.Tensor | None  # [H] float32, for a design with a distance bias
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -61,14 +60,13 @@ def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     return k.shape[1] != q.shape[1]
 
 
-def causal_attention(q, k, v, alibi: bool = False, documents: Documents | None = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) [+ ALiBi bias]) v, query i at position Tk - Tq + i (KV-cache aware);
-    with `documents`, only over earlier keys of the query's own document (`model.documents`)."""
+def causal_attention(q, k, v, slopes: Slopes | None = None, documents: Documents | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) [- slope_h (m - n)]) v, query i at position Tk - Tq + i (KV-cache
+    aware); with `documents`, only over earlier keys of the query's own document (`model.documents`)."""
     if documents is not None:
-        return _document_attention(q, k, v, documents, alibi)
-    if alibi:
-        return alibi_attention(q, k, v)
-    tq, tk = q.shape[-2], k.shape[-2]
+        return _document_attention(q, k, v, documents, slopes)
+    if slopes is not None:
+        return bias_attention(q, k, v, slopes)
     tq, tk, gqa = q.shape[-2], k.shape[-2], _gqa(q, k)
     if tq == tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -78,8 +76,8 @@ def causal_attention(q, k, v, alibi: bool = False, documents: Documents | None =
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def alibi_attention(q, k, v) -> torch.Tensor:
-    """ALiBi attention on the fastest correct kernel available.
+def bias_attention(q, k, v, slopes: Slopes) -> torch.Tensor:
+    """Attention with a distance bias (ALiBi's) on the fastest correct kernel available.
 
     FlexAttention with a score modification (O(N) memory) on GPU, and on CPU for long inputs that
     need no backward pass; otherwise (CPU training, short inputs, KV-cache steps) SDPA over chunks
@@ -89,33 +87,33 @@ def alibi_attention(q, k, v) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]
     needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if tq == tk and (q.is_cuda or (not needs_backward and tq >= CPU_FLEX_MIN_LEN)):
-        return _flex_alibi(q, k, v)
-    return _chunked_alibi(q, k, v)
+        return _flex_bias(q, k, v, slopes)
+    return _chunked_bias(q, k, v, slopes)
 
 
-def _chunked_alibi(q, k, v) -> torch.Tensor:
-    """SDPA over chunks of query rows with an additive ALiBi bias [H, rows, keys].
+def _chunked_bias(q, k, v, slopes_of: Slopes) -> torch.Tensor:
+    """SDPA over chunks of query rows with an additive distance bias [H, rows, keys].
 
     With gradients, each chunk is recomputed in the backward pass (activation checkpointing), so
     autograd keeps no per-chunk bias or probabilities: memory stays O(chunk x N), not O(N^2).
     """
     tq, tk = q.shape[-2], k.shape[-2]
-    slopes = alibi_slopes(q.shape[1]).to(q.device)[:, None, None]  # float64: exact bias
+    slopes = slopes_of(q.shape[1]).to(q.device)[:, None, None]  # float64: exact bias
     offset = tk - tq
     grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     out = []
-    for start in range(0, tq, ALIBI_CHUNK):
-        end = min(tq, start + ALIBI_CHUNK)
+    for start in range(0, tq, BIAS_CHUNK):
+        end = min(tq, start + BIAS_CHUNK)
         args = (q[..., start:end, :], k[..., : offset + end, :], v[..., : offset + end, :], slopes, offset + start)
-        out.append(checkpoint(_alibi_rows, *args, use_reentrant=False) if grad else _alibi_rows(*args))
+        out.append(checkpoint(_bias_rows, *args, use_reentrant=False) if grad else _bias_rows(*args))
     return torch.cat(out, dim=-2)
 
 
-def _alibi_rows(q, k, v, slopes: torch.Tensor, first: int) -> torch.Tensor:
+def _bias_rows(q, k, v, slopes: torch.Tensor, first: int) -> torch.Tensor:
     """Attention of query rows at positions first.. over keys 0..first+rows-1 (later keys are masked)."""
     m = torch.arange(first, first + q.shape[-2], device=q.device)[:, None]
     n = torch.arange(k.shape[-2], device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_bias(slopes, m, n, n <= m, q.dtype),
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=distance_bias(slopes, m, n, n <= m, q.dtype),
                                           enable_gqa=_gqa(q, k))
 
 
@@ -144,15 +142,16 @@ def _causal_block_mask(length: int, device: str):
 
 
 @functools.lru_cache(maxsize=32)
-def _slopes(n_head: int, device: str) -> torch.Tensor:
+def _slopes(slopes_of: Slopes, n_head: int, device: str) -> torch.Tensor:
     """float32 slopes on a device (kept out of the state dict and of bf16/fp16 casts)."""
-    return alibi_slopes(n_head).to(device, torch.float32)
+    return slopes_of(n_head).to(device, torch.float32)
 
 
 @functools.lru_cache(maxsize=32)
-def _alibi_score_mod(n_head: int, device: str):
-    """One score_mod per (heads, device): slopes are the same in every layer, so all share one compile."""
-    slopes = _slopes(n_head, device)
+def _bias_score_mod(slopes_of: Slopes, n_head: int, device: str):
+    """One score_mod per (design, heads, device): slopes are the same in every layer, so all share
+    one compile."""
+    slopes = _slopes(slopes_of, n_head, device)
 
     def score_mod(score, b, h, m, n):
         return score - slopes[h] * (m - n)
@@ -160,23 +159,23 @@ def _alibi_score_mod(n_head: int, device: str):
     return score_mod
 
 
-def _document_attention(q, k, v, documents: Documents, alibi: bool) -> torch.Tensor:
+def _document_attention(q, k, v, documents: Documents, slopes: Slopes | None) -> torch.Tensor:
     """Document-masked attention: FlexAttention on GPU, each document's causal attention on CPU."""
     if q.shape[-2] != k.shape[-2] or documents.ids.shape != (q.shape[0], q.shape[-2]):
         raise ValueError(f"document masking needs q and k of one length (no KV cache) and documents [B, T]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.ids.shape)}")
     if not q.is_cuda:
-        if alibi:
-            return segment_attention(q, k, v, documents.ids, _chunked_alibi)
+        if slopes is not None:
+            return segment_attention(q, k, v, documents.ids, functools.partial(_chunked_bias, slopes_of=slopes))
         return causal_segments(q, k, v, documents.ids)
-    mod = _alibi_score_mod(q.shape[1], str(q.device)) if alibi else None
+    mod = _bias_score_mod(slopes, q.shape[1], str(q.device)) if slopes is not None else None
     return _compiled_flex()(q, k, v, score_mod=mod, block_mask=documents.block_mask, enable_gqa=_gqa(q, k))
 
 
-def _flex_alibi(q, k, v) -> torch.Tensor:
+def _flex_bias(q, k, v, slopes: Slopes) -> torch.Tensor:
     device = str(q.device)
     flex = _compiled_flex()
-    mod = _alibi_score_mod(q.shape[1], device)
+    mod = _bias_score_mod(slopes, q.shape[1], device)
     return flex(q, k, v, score_mod=mod, block_mask=_causal_block_mask(q.shape[-2], device), enable_gqa=_gqa(q, k))
 
 
@@ -210,7 +209,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        self.attention, self.rotary_dims = cfg.attention, cfg.rotary_dims
+        self.design = cfg.design
         self.fused = cfg.arch == "neox"
         if self.fused:
             self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
@@ -220,12 +219,6 @@ class CausalSelfAttention(nn.Module):
             self.k = nn.Linear(cfg.n_embd, kv, bias=False)
             self.v = nn.Linear(cfg.n_embd, kv, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
-        if cfg.attention == "origin":
-            self.qk = origin_qk
-        elif cfg.attention == "coca":
-            self.qk = coca_slack_qk if cfg.coca_form == "slack" else coca_strict_qk
-        else:
-            self.qk = None  # alibi: q and k are used as they are
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D]; k (or CoCA's t) and v [B, n_kv_head, T, D]."""
@@ -248,17 +241,15 @@ class CausalSelfAttention(nn.Module):
         the output of the last `queries` positions only [B, queries, C], over the keys of all T."""
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        if self.attention == "coca":
-            k = coca_tie(k, self.rotary_dims)
-        if self.qk is not None:
-            q, k = self.qk(q, k, rope)
+        q, k = self.design.qk(q, k, rope)
         if cache is not None:
             k, v = cache.append(k, v)
         if queries:
             q, T = q[..., -queries:, :], queries
-        alibi = self.attention == "alibi"
+        slopes = self.design.slopes
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
-            capture.append(AttentionInputs(q, k_eff, _slopes(self.n_head, str(x.device)) if alibi else None))
-        y = causal_attention(q, k, v, alibi, documents)
+            capture.append(AttentionInputs(q, k_eff, None if slopes is None else _slopes(slopes, self.n_head,
+                                                                                            str(x.device))))
+        y = causal_attention(q, k, v, slopes, documents)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .designs import ATTENTIONS, COCA_FORMS, Design, design_of
+
 ARCHS = ("neox", "llama")
-ATTENTIONS = ("origin", "alibi", "coca")
-COCA_FORMS = ("slack", "strict")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn")
 
 
@@ -83,7 +83,8 @@ class ModelConfig:
           attention, sequential residual and full rotary, which it requires).
     n_kv_head: key/value heads (llama only), dividing n_head; null: n_head (multi-head attention),
           1: multi-query attention. Query head h uses kv head h // (n_head / n_kv_head).
-    attention: origin (RoPE) | alibi | coca; coca_form: slack (released code) | strict (Eq. 9).
+    attention: the design (`model.designs.registry`: origin, i.e. RoPE | alibi | coca); coca_form:
+          CoCA's form, slack (released code) | strict (Eq. 9).
     max_seq_len: the training length (dynamic NTK and YaRN scale relative to it, or to
       `rope_scaling.original_max_seq_len` when set).
     rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
@@ -133,7 +134,7 @@ class ModelConfig:
             )
         if not 0.0 < self.rotary_pct <= 1.0:
             raise ValueError(f"model.rotary_pct={self.rotary_pct!r} must be in (0, 1]")
-        if self.attention != "alibi" and (self.rotary_dims < 2 or self.rotary_dims % 2):
+        if self.design.rope and (self.rotary_dims < 2 or self.rotary_dims % 2):
             raise ValueError(
                 f"model.rotary_pct={self.rotary_pct} gives {self.rotary_dims} rotary dims of "
                 f"head dimension {self.head_dim}; they must be even and >= 2 to form pairs"
@@ -141,10 +142,10 @@ class ModelConfig:
         if not self.rope_base > 1.0:
             raise ValueError(f"model.rope_base={self.rope_base!r} must be > 1")
         scaling = self.rope_scaling.type
-        if self.attention == "alibi" and scaling != "none":
+        if not self.design.rope and scaling != "none":
             raise ValueError(
-                f"model.rope_scaling.type={scaling!r} with model.attention='alibi': ALiBi has no "
-                "RoPE to scale; allowed: none"
+                f"model.rope_scaling.type={scaling!r} with model.attention={self.attention!r}: "
+                f"{self.design.name} has no RoPE to scale; allowed: none"
             )
         if scaling in ("ntk", "dynamic", "yarn") and self.rotary_dims <= 2:
             raise ValueError(
@@ -173,6 +174,11 @@ class ModelConfig:
         if self.arch == "llama" and self.rotary_pct != 1.0:
             raise ValueError(f"model.arch='llama' rotates every head dimension: set model.rotary_pct=1.0 "
                              f"(got {self.rotary_pct})")
+
+    @property
+    def design(self) -> Design:
+        """The attention design this config selects (`model.designs.registry`)."""
+        return design_of(self.attention, self.coca_form)
 
     @property
     def kv_heads(self) -> int:

@@ -1,4 +1,5 @@
-"""Carry a trained model's weights into another attention: the CoCA drop-in, and Origin to ALiBi.
+"""Carry a trained Origin model's weights into another design: the CoCA drop-in, Origin to ALiBi, and
+whatever a design's registry record allows (`Design.from_origin`).
 
 The attentions share every parameter shape: CoCA's T projection takes K's place (the same rows
 of NeoX's fused `qkv`, the same `attn.k` of Llama), and ALiBi uses K as it is. So a conversion
@@ -26,6 +27,8 @@ import torch
 from errors import ConfigError
 
 from .config import ModelConfig
+from .designs import DESIGNS
+from .designs.origin import ORIGIN
 
 T_INITS = ("from_k", "fresh")
 
@@ -52,10 +55,11 @@ def check_conversion(source: ModelConfig, target: ModelConfig, t_init: str = "fr
         raise ConversionError(f"t_init={t_init!r} is not one of {', '.join(T_INITS)}")
     if source.attention == target.attention:
         return
-    if source.attention != "origin":
+    if source.design is not ORIGIN or target.design.from_origin is None:
+        into = ", ".join(sorted({d.attention for d in DESIGNS.values() if d.from_origin}))
         raise ConversionError(
             f"cannot convert attention={source.attention} into attention={target.attention}: only Origin (RoPE) "
-            "models convert (to coca: its T starts from K; to alibi: K is kept)")
+            f"models convert, into {into} (coca: its T starts from K; the others keep K)")
     unchanged = replace(target, attention=source.attention, coca_form=source.coca_form)
     for name in ("arch", "vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "kv_heads", "tie_embeddings",
                  "parallel_residual", "rotary_pct"):
@@ -69,7 +73,7 @@ def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelCo
     """`state` (the source model's) as the target attention's state dict, and what was carried."""
     check_conversion(source, target, t_init)
     out = {name: tensor.clone() for name, tensor in state.items()}
-    if source.attention == target.attention or target.attention != "coca" or t_init == "from_k":
+    if source.attention == target.attention or target.design.from_origin != "k_to_t" or t_init == "from_k":
         return out, Conversion(carried=sorted(out), fresh=[])
     generator = torch.Generator().manual_seed(seed)
     fresh = []

@@ -9,15 +9,15 @@ Two kernels, both exact and neither building an N x N tensor:
 - GPU: FlexAttention with a BlockMask built from per-tile document ranges ([B, tiles, tiles]
   booleans, tiles of 128 tokens): a tile pair is skipped when its documents cannot meet, computed
   without a mask where one document covers both tiles, and masked element-wise only on the tiles
-  that hold a boundary or the diagonal. ALiBi is its score modification.
+  that hold a boundary or the diagonal. A design's distance bias is its score modification.
 - CPU: causal attention on each document of a row, nothing masked (`segments`): the flash
   kernel's own forward and backward per document, written into one output and one set of
   gradients (`causal_segments`), so memory stays that of the fused kernel on the whole row and
-  time at most that (documents are shorter than rows); ALiBi's chunked kernel on each document
+  time at most that (documents are shorter than rows); the bias kernel (ALiBi's) on each document
   (`segment_attention`). A masked kernel would not do: CPU SDPA keeps a float32 copy of its mask
   for backward.
 
-Positions restarting at each document (`model.doc_positions`) are `positions`. ALiBi's bias
+Positions restarting at each document (`model.doc_positions`) are `positions`. A distance bias
 -slope * (m - n) depends on the distance only, so it counts from the document start either way.
 """
 
@@ -161,7 +161,7 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> torch.Tensor:
-    """Document-masked attention as a causal kernel `attend(q, k, v)` on each segment (for ALiBi,
+    """Document-masked attention as a causal kernel `attend(q, k, v)` on each segment (for the bias kernel,
     whose chunked kernel bounds its own memory): the pieces are splits of q, k, v and the output
     their concatenation."""
     plan = segments(documents)

@@ -22,10 +22,10 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
+from .designs import Rope, RopeTables
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
 from .sampling import check_sampling, next_token
-from .transforms import Rope, RopeTables
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
@@ -129,10 +129,10 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.rope = (
-            None
-            if cfg.attention == "alibi"
-            else Rope(cfg.rotary_dims, cfg.rope_base, cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len,
-                      cfg.rope_scaling)
+            Rope(cfg.rotary_dims, cfg.rope_base, cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len,
+                 cfg.rope_scaling)
+            if cfg.design.rope
+            else None
         )
         self.apply(self._init_weights)
 
@@ -245,13 +245,13 @@ class GPT(nn.Module):
         """Switch RoPE scaling on a trained model (weights are unchanged)."""
         old = self.cfg.rope_scaling
         scaling = replace(old, type=type, factor=factor)  # YaRN's betas and the original length stay
-        self.cfg = replace(self.cfg, rope_scaling=scaling)  # re-validates (e.g. ALiBi + scaling)
+        self.cfg = replace(self.cfg, rope_scaling=scaling)  # re-validates (e.g. a scaling on ALiBi)
         if self.rope is not None:
             self.rope.scaling = scaling
 
     @torch.no_grad()
     def capture_qk(self, idx: torch.Tensor) -> list[AttentionInputs]:
-        """Each layer's (q_eff, k_eff, alibi_slopes), from which its attention scores follow."""
+        """Each layer's (q_eff, k_eff, slopes), from which its attention scores follow."""
         capture: list[AttentionInputs] = []
         self.hidden_states(idx, capture=capture)
         return capture

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from eval.config import Scaling
 from eval.perplexity import evaluate_perplexity
 from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_ppl
-from model import GPT
+from model import DESIGNS, GPT
 from model.config import flavor
 
 L0 = 32  # training length of the test models
@@ -98,17 +98,17 @@ def test_sweep_restores_trained_scaling_and_does_not_leak_lengths():
 
 
 def test_alibi_skips_rope_scalings_with_a_note():
-    kept, notes = applicable([Scaling("none"), Scaling("dynamic", 4.0)], "alibi")
+    kept, notes = applicable([Scaling("none"), Scaling("dynamic", 4.0)], DESIGNS["alibi"])
     assert kept == [Scaling("none")] and "dynamic:4 skipped" in notes[0]
-    kept, notes = applicable([Scaling("linear", 2.0)], "alibi")
+    kept, notes = applicable([Scaling("linear", 2.0)], DESIGNS["alibi"])
     assert kept == [Scaling("none")] and len(notes) == 2
-    assert applicable([Scaling("yarn", 2.0)], "coca") == ([Scaling("yarn", 2.0)], [])
+    assert applicable([Scaling("yarn", 2.0)], DESIGNS["coca"]) == ([Scaling("yarn", 2.0)], [])
 
 
 @pytest.mark.parametrize("attention", ["origin", "alibi", "coca"])
 def test_attention_sweep_statistics_and_profiles(attention):
     model = gpt(attention)
-    scalings, _ = applicable([Scaling("none"), Scaling("dynamic", 4.0)], attention)
+    scalings, _ = applicable([Scaling("none"), Scaling("dynamic", 4.0)], model.cfg.design)
     rows, profiles = sweep_attention(model, doc(4 * L0), scalings, Scaling("none"), [1, 2], sigma=4.0, window=8,
                                      chunk=16)
     assert [(r["scaling"], r["layer"]) for r in rows] == [(s.label, i) for s in scalings for i in (1, 2)]

@@ -56,7 +56,7 @@ def test_safe_exp_overflows_to_inf():
 class Layer:
     q_eff: torch.Tensor
     k_eff: torch.Tensor
-    alibi_slopes: torch.Tensor | None
+    slopes: torch.Tensor | None
 
 
 def reference_stats(layer: Layer, sigma: float, window: int) -> dict:
@@ -66,8 +66,8 @@ def reference_stats(layer: Layer, sigma: float, window: int) -> dict:
     s = q @ k.transpose(-1, -2) / math.sqrt(d)
     m = torch.arange(t)[:, None]
     n = torch.arange(t)[None, :]
-    if layer.alibi_slopes is not None:
-        s = s - layer.alibi_slopes.double()[:, None, None] * (m - n)
+    if layer.slopes is not None:
+        s = s - layer.slopes.double()[:, None, None] * (m - n)
     valid = (n <= m).expand(h, t, t)
     vals = s[valid]
     outliers, local, max_z = 0, 0.0, 0.0

@@ -26,6 +26,7 @@ from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 from hf.export import ExportError, export_hf
 from model import GPT, ModelConfig
+from model.designs import BY_LABEL
 from model.config import RopeScaling
 from run_checks import clean_env
 from train.export_hf import main as export_main
@@ -35,12 +36,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 REPO = Path(__file__).resolve().parents[1]
 L0 = 32
-DESIGNS = {  # partial rotary and a sequential residual are exercised too
-    "origin": dict(attention="origin", rotary_pct=0.5, parallel_residual=False),
-    "alibi": dict(attention="alibi"),
-    "coca-slack": dict(attention="coca", coca_form="slack", rotary_pct=0.5),
-    "coca-strict": dict(attention="coca", coca_form="strict"),
-}
+# Every design of the registry, by label; partial rotary and a sequential residual are exercised too.
+EXTRAS = {"origin": dict(rotary_pct=0.5, parallel_residual=False), "coca-slack": dict(rotary_pct=0.5)}
+DESIGNS = {label: {**design.settings(), **EXTRAS.get(label, {})} for label, design in BY_LABEL.items()}
 SAMPLE = (
     "The quick brown fox, naïve café owner, paid €12.50 for 3 crêpes.\n"
     "def área(r: float) -> float:\n\treturn 3.14159 * r ** 2  # π r²\n"
@@ -209,7 +207,7 @@ def test_overwrite_replaces_only_a_previous_export_and_a_failure_keeps_it(tokeni
 def _check_loaded(hf, model: GPT, design: str) -> None:
     """The class AutoModelForCausalLM chose and the shape it built: tying, key/value heads."""
     m = model.cfg
-    assert type(hf).__name__ == HF_CLASS[(m.arch, design == "origin")]
+    assert type(hf).__name__ == HF_CLASS[(m.arch, BY_LABEL[design].native_hf)]
     assert hf.config.tie_word_embeddings == m.tie_embeddings
     assert (hf.get_output_embeddings().weight is hf.get_input_embeddings().weight) == m.tie_embeddings
     if m.arch == "llama":
@@ -238,17 +236,18 @@ def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
     visibly changes them; greedy `generate` gives our tokens."""
     model = random_model(tokenizer, design, variant)
     idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
-    scalings = [("none", 1.0)] if design == "alibi" else [("none", 1.0), ("dynamic", 4.0), ("linear", 4.0),
+    rope = BY_LABEL[design].rope
+    scalings = [("none", 1.0)] if not rope else [("none", 1.0), ("dynamic", 4.0), ("linear", 4.0),
                                                             ("ntk", 4.0), ("yarn", 4.0)]
     with torch.no_grad():
         unscaled = model(idx)
     for kind, factor in scalings:
         model.set_rope_scaling(kind, factor)
         out = export_hf(model, tokenizer, tmp_path / kind)
-        assert (out / "modeling_coca_lm.py").exists() == (design != "origin")
+        assert (out / "modeling_coca_lm.py").exists() == (not BY_LABEL[design].native_hf)
         hf = load_hf(out)
         _check_loaded(hf, model, design)
-        if design != "alibi":
+        if rope:
             _check_rope(hf.config, model)
         with torch.no_grad():
             for length in (L0, 8 * L0):
@@ -419,7 +418,7 @@ def zero3(tmp_path_factory) -> tuple[Path, Path]:
     done = _ok(subprocess.run([sys.executable, "-m", "train.export_hf", f"run={run}", f"out={out}"], cwd=REPO,
                               env=_env(root / "hf_home"), capture_output=True, text=True, timeout=600))
     assert done.stdout.strip().splitlines() == [
-        f"exported coca strict (no RoPE scaling) to {out}: AutoModelForCausalLM (trust_remote_code=True)"]
+        f"exported coca-strict (no RoPE scaling) to {out}: AutoModelForCausalLM (trust_remote_code=True)"]
     return run, out
 
 
@@ -443,9 +442,11 @@ def _compare_outside_this_project(run: Path, out: Path, tmp_path: Path) -> str:
 @pytest.mark.slow
 def test_zero3_export_loads_without_this_project(zero3, tmp_path):
     run, out = zero3
-    assert sorted(p.name for p in out.iterdir()) == [
+    package = Path(__file__).parents[1] / "model" / "designs"
+    designs = [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([
         "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors",
-        "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json", "transforms.py"]
+        "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json", *designs])
     assert _compare_outside_this_project(run, out, tmp_path) == "CocaLMForCausalLM"
 
 
@@ -509,7 +510,7 @@ def test_llama_run_exports_loads_without_this_project_and_takes_a_rope_scaling(l
     model, _, tok = load_model(str(run))
     model.set_rope_scaling("dynamic", 4.0)
     hf = load_hf(scaled)
-    _check_loaded(hf, model, "origin" if origin else "coca")
+    _check_loaded(hf, model, "origin" if origin else "coca-slack")
     _check_rope(hf.config, model)
     idx = torch.randint(4, tok.vocab_size, (1, 8 * L0), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

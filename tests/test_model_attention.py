@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from model import ModelConfig, RopeScaling
-from model.attention import ALIBI_CHUNK, CausalSelfAttention, causal_attention
-from model.transforms import Rope, alibi_slopes, coca_slack_qk, coca_strict_qk, coca_tie, origin_qk
+from model.attention import BIAS_CHUNK, CausalSelfAttention, causal_attention
+from model.designs import DESIGNS, Rope
+from model.designs.alibi import alibi_slopes
 
 F64 = torch.float64
 
@@ -74,15 +75,14 @@ def reference_attention(scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 # ---- helpers -------------------------------------------------------------------------------------
 
-TRANSFORMS = {"origin": origin_qk, "slack": coca_slack_qk, "strict": coca_strict_qk}
+DESIGN_OF = {"origin": "origin", "slack": "coca", "strict": "coca_strict"}  # reference kind -> registry key
 
 
 def model_scores(kind: str, q, k, positions, r: int) -> torch.Tensor:
     """The model's q_eff . k_eff / sqrt(d) at arbitrary positions."""
     rope = Rope(r, 10000.0, 64, RopeScaling())
     tables = rope.tables(positions, int(positions.max()) + 1, F64)
-    key = coca_tie(k, r) if kind in ("slack", "strict") else k
-    q_eff, k_eff = TRANSFORMS[kind](q, key, tables)
+    q_eff, k_eff = DESIGNS[DESIGN_OF[kind]].qk(q, k, tables)
     return q_eff @ k_eff.transpose(-1, -2) / math.sqrt(q.shape[-1])
 
 
@@ -141,7 +141,7 @@ def per_query_head(x: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-@pytest.mark.parametrize("tq, tk", [(ALIBI_CHUNK + 37, ALIBI_CHUNK + 37), (5, 40), (1, 33)])
+@pytest.mark.parametrize("tq, tk", [(BIAS_CHUNK + 37, BIAS_CHUNK + 37), (5, 40), (1, 33)])
 def test_alibi_kernel_matches_explicit_bias(tq, tk, kv_heads):
     """The chunked additive-bias path (CPU training, short inputs, KV-cache steps), gradients too;
     with fewer kv heads than query heads (GQA, MQA) too."""
@@ -149,7 +149,7 @@ def test_alibi_kernel_matches_explicit_bias(tq, tk, kv_heads):
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(b, heads, t, d, dtype=F64, generator=g, requires_grad=True)
                for heads, t in ((h, tq), (kv_heads, tk), (kv_heads, tk)))
-    out = causal_attention(q, k, v, alibi=True)
+    out = causal_attention(q, k, v, alibi_slopes)
     positions = torch.arange(tk)
     full_q = torch.cat((torch.zeros(b, h, tk - tq, d, dtype=F64), q), dim=2)
     scores = reference_scores("alibi", full_q, per_query_head(k, h), positions, 0)
@@ -177,7 +177,7 @@ def test_attention_layer_matches_reference(kind, rotary_pct):
     x = torch.randn(b, t, cfg.n_embd, dtype=F64)
     positions = torch.arange(t)
     rope = None
-    if attention != "alibi":
+    if cfg.design.rope:
         rope = Rope(cfg.rotary_dims, cfg.rope_base, cfg.max_seq_len, cfg.rope_scaling).tables(positions, t, F64)
     out = layer(x, rope)
 
@@ -198,10 +198,10 @@ def test_cpu_flex_alibi_matches_chunked_path(monkeypatch, kv_heads):
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, heads, attention.CPU_FLEX_MIN_LEN, 16, generator=g) for heads in (4, kv_heads, kv_heads))
-    chunked_alibi = attention._chunked_alibi
+    chunked_bias = attention._chunked_bias
     with torch.no_grad():
-        chunked = chunked_alibi(q, k, v)
-        monkeypatch.setattr(attention, "_chunked_alibi", None)  # the flex path must not fall back
-        flex = causal_attention(q, k, v, alibi=True)
+        chunked = chunked_bias(q, k, v, alibi_slopes)
+        monkeypatch.setattr(attention, "_chunked_bias", None)  # the flex path must not fall back
+        flex = causal_attention(q, k, v, alibi_slopes)
     assert torch.isfinite(flex).all()
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-5)

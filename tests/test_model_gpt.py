@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import model.loss as loss_module
 from model import GPT, KVCache, ModelConfig, RopeScaling
-from model.transforms import Rope
+from model.designs import Rope
 
 VARIANTS = [("origin", "slack"), ("alibi", "slack"), ("coca", "slack"), ("coca", "strict")]
 IDS = ["origin", "alibi", "coca-slack", "coca-strict"]

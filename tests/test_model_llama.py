@@ -14,8 +14,8 @@ from test_model_documents import assert_each_document_alone, reference_block_cau
 from hf.names import llama_hf_names
 from model import GPT, KVCache, ModelConfig, count_parameters, flavor
 from model.attention import CausalSelfAttention
+from model.designs import Rope
 from model.documents import Documents
-from model.transforms import Rope
 
 F64 = torch.float64
 KINDS = ["origin", "slack", "strict", "alibi"]

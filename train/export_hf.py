@@ -105,12 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, UserError, ValueError, OSError) as error:
         return report_error(error, EXIT_USAGE if isinstance(error, ExportError) else exit_code(error))
     m = model.cfg
-    kind = m.attention if m.attention != "coca" else f"coca {m.coca_form}"
-    kind = f"llama {kind}" if m.arch == "llama" else kind
-    code = "" if m.attention == "origin" else " (trust_remote_code=True)"
+    kind = f"llama {m.design.label}" if m.arch == "llama" else m.design.label
+    code = "" if m.design.native_hf else " (trust_remote_code=True)"
     s = m.rope_scaling
-    rope = "" if m.attention == "alibi" else (" (no RoPE scaling)" if s.type == "none"
-                                              else f" (RoPE scaling {s.type}:{s.factor:g})")
+    rope = "" if not m.design.rope else (" (no RoPE scaling)" if s.type == "none"
+                                         else f" (RoPE scaling {s.type}:{s.factor:g})")
     print(f"exported {kind}{rope} to {out}: AutoModelForCausalLM{code}")
     return 0
 

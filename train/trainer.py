@@ -324,8 +324,8 @@ def _initial_state(cfg: TrainConfig, checked: _Checked) -> dict[str, torch.Tenso
         return state
     state, done = convert(state, source_model, cfg.model, cfg.t_init, seed=cfg.seed)
     if dist.is_main():
-        target = cfg.model.attention + (f" {cfg.model.coca_form}" if cfg.model.attention == "coca" else "")
-        t_init = f" (t_init={cfg.t_init})" if cfg.model.attention == "coca" else ""
+        target = cfg.model.design.label
+        t_init = f" (t_init={cfg.t_init})" if cfg.model.design.from_origin == "k_to_t" else ""
         print(f"init_from {checked.init_from}: {source_model.attention} converted to {target}{t_init}: "
               f"{done.describe()}", file=sys.stderr)
     return state

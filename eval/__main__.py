@@ -118,7 +118,7 @@ def open_session(cfg: EvalConfig) -> Session:
     m = train_cfg.model
     data = dataclasses.replace(train_cfg.data, sources=list(cfg.sources) or train_cfg.data.sources)
     whole = bool(cfg.sources) and any(by_document(s) for s in data.sources)
-    trained = Scaling(m.rope_scaling.type, m.rope_scaling.factor)
+    trained = Scaling(m.rope_scaling.type, m.rope_scaling.factor, m.length_temperature)
     stream, prompt_seed = cfg.prompt_stream(train_cfg.seed)
     meta = {
         "run": str(run),

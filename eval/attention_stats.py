@@ -28,6 +28,7 @@ class AttentionInputs(Protocol):
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D]
     slopes: torch.Tensor | None  # [H]: a distance bias -slope_h (m - n) (ALiBi's), or None
+    window: int  # a sliding window's keys: only m - n < window are scores (0: every n <= m)
 
 
 def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +40,8 @@ def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Te
     n = torch.arange(end, device=q.device)[None, :]
     if layer.slopes is not None:
         scores = scores - layer.slopes.float().to(q.device)[:, None, None] * (m - n)
-    return scores, (n <= m).expand_as(scores)
+    valid = (n <= m) & (m - n < layer.window) if layer.window else n <= m
+    return scores, valid.expand_as(scores)
 
 
 def layer_statistics(layer: AttentionInputs, sigma: float = 6.0, window: int = 16, chunk: int = 256) -> dict:

@@ -21,20 +21,27 @@ PROMPT_SEEDS = ("run", "fixed")  # or a non-negative integer
 
 @dataclass(frozen=True)
 class Scaling:
-    """A RoPE scaling applied at evaluation; `none` is plain RoPE."""
+    """A RoPE scaling applied at evaluation (`none` is plain RoPE), with or without the length
+    temperature (`model.length_temperature`), written `+temp` after it: `dynamic:8+temp`, `none+temp`."""
 
     type: str
     factor: float = 1.0
+    temperature: bool = False
 
     @property
     def label(self) -> str:
-        return "none" if self.type == "none" else f"{self.type}:{self.factor:g}"
+        rope = "none" if self.type == "none" else f"{self.type}:{self.factor:g}"
+        return rope + (TEMPERATURE if self.temperature else "")
 
     @classmethod
     def parse(cls, text: str) -> Scaling:
-        """`none`, `dynamic:4`, `linear:2.5` ... (`model.config.parse_scaling`)."""
-        scaling = parse_scaling(text)
-        return cls(scaling.type, scaling.factor)
+        """`none`, `dynamic:4`, `linear:2.5`, `dynamic:8+temp` ... (`model.config.parse_scaling`)."""
+        rope, temperature = (text[: -len(TEMPERATURE)], True) if text.endswith(TEMPERATURE) else (text, False)
+        scaling = parse_scaling(rope)
+        return cls(scaling.type, scaling.factor, temperature)
+
+
+TEMPERATURE = "+temp"  # a scaling's suffix that switches the length temperature on
 
 
 @dataclass

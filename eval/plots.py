@@ -85,11 +85,12 @@ def shade(color: str, i: int, n: int) -> str:
 
 
 def scaling_title(scaling: str) -> str:
-    """`none` -> `as trained`, `dynamic:8` -> `dynamic NTK x8`."""
-    if scaling == "none":
-        return "as trained"
-    kind, _, factor = scaling.partition(":")
-    return f"{SCALING_NAMES.get(kind, kind)} x{factor}" if factor else scaling
+    """`none` -> `as trained`, `dynamic:8` -> `dynamic NTK x8`, `dynamic:8+temp` -> `dynamic NTK x8 +
+    length temperature`."""
+    rope, plus, _ = scaling.partition("+")
+    kind, _, factor = rope.partition(":")
+    title = "as trained" if rope == "none" else f"{SCALING_NAMES.get(kind, kind)} x{factor}" if factor else rope
+    return title + (" + length temperature" if plus else "")
 
 
 def scaling_styles(scalings: Sequence[str]) -> dict[str, str | tuple]:

@@ -26,7 +26,7 @@ def applicable(scalings: Sequence[Scaling], design: Design) -> tuple[list[Scalin
     """The scalings that apply to this design, and notes about the ones skipped."""
     if design.rope:
         return list(scalings), []
-    kept = [s for s in scalings if s.type == "none"]
+    kept = [s for s in scalings if s.type == "none"]  # with or without the temperature
     skipped = [s.label for s in scalings if s.type != "none"]
     notes = [f"{design.name} has no RoPE: scaling {', '.join(skipped)} skipped"] if skipped else []
     if not kept:
@@ -36,12 +36,14 @@ def applicable(scalings: Sequence[Scaling], design: Design) -> tuple[list[Scalin
 
 @contextmanager
 def scaled(model, scaling: Scaling, trained: Scaling) -> Iterator[None]:
-    """Evaluate under `scaling`, then restore the trained setting."""
+    """Evaluate under `scaling` (and its temperature), then restore the trained setting."""
     model.set_rope_scaling(scaling.type, scaling.factor)
+    model.set_length_temperature(scaling.temperature)
     try:
         yield
     finally:
         model.set_rope_scaling(trained.type, trained.factor)
+        model.set_length_temperature(trained.temperature)
 
 
 def sweep_ppl(

@@ -28,6 +28,7 @@ dynamic `max_position_embeddings` (otherwise the training length).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -98,17 +99,34 @@ def hf_config(m: ModelConfig, tokenizer: Tokenizer) -> dict:
     }
     rope = config["rope_parameters"]
     scaling = rope if rope["rope_type"] != "default" else None
-    if m.design.native_hf and m.arch == "llama":
+    if not native(m):
+        return _remote_config(m, config)
+    if m.arch == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
                 "rms_norm_eps": m.layernorm_eps, "rope_theta": rope["rope_theta"], "rope_scaling": scaling}
-    block = {"layer_norm_eps": m.layernorm_eps, "use_parallel_residual": m.parallel_residual}  # coca_lm's too
-    if m.design.native_hf:
-        return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **config, **block,
-                "rotary_pct": m.rotary_pct, "rotary_emb_base": rope["rope_theta"], "rope_scaling": scaling}
+    return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **config, **_block(m),
+            "rotary_pct": m.rotary_pct, "rotary_emb_base": rope["rope_theta"], "rope_scaling": scaling}
+
+
+def native(m: ModelConfig) -> bool:
+    """Whether the model exports as its architecture's own HF class (Origin without the length
+    temperature, which transformers' classes cannot express), else as the remote-code model."""
+    return m.design.native_hf and not m.length_temperature
+
+
+def _block(m: ModelConfig) -> dict:
+    return {"layer_norm_eps": m.layernorm_eps, "use_parallel_residual": m.parallel_residual}
+
+
+def _remote_config(m: ModelConfig, config: dict) -> dict:
+    """The `coca_lm` config: the design (attention, coca_form, its parameters), the length
+    temperature's L0 (0: off) and the `auto_map` naming the remote code."""
     if not m.design.rope:
         del config["rope_parameters"]
+    params = {} if m.params is None else dataclasses.asdict(m.params)
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
-            "attention": m.attention, "coca_form": m.coca_form, **config, **block,
+            "attention": m.attention, "coca_form": m.coca_form, "design_params": params,
+            "length_temperature": m.max_seq_len if m.length_temperature else 0, **config, **_block(m),
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
 
@@ -223,7 +241,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: b
         generation = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id,
                       "pad_token_id": tokenizer.pad_id, "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if not m.design.native_hf:
+        if not native(m):
             for code in REMOTE_CODE:
                 shutil.copyfile(code, tmp / code.name)
         save_tokenizer(tokenizer, tmp)

@@ -68,7 +68,7 @@ _ACTIVATION = {"neox": "gelu", "llama": "silu"}
 # scaling, a larger base as in ABF; from the directory by default), as `init_from` a checkpoint.
 FIXED = ("arch", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "attention", "coca_form",
          "rotary_pct", "parallel_residual", "layernorm_eps", "tie_embeddings")
-DEFAULTED = ("max_seq_len", "rope_scaling", "rope_base")
+DEFAULTED = ("max_seq_len", "rope_scaling", "rope_base", "design_params")
 _MODEL_DEFAULTS = {f.name: getattr(ModelConfig(), f.name) for f in fields(ModelConfig)}
 
 
@@ -179,9 +179,11 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
     if arch not in _DEFAULTS:
         raise _refuse(where, "arch", arch, "one of neox, llama")
     defaults = _DEFAULTS[arch]
-    attention, coca_form = "origin", "slack"
+    attention, coca_form, design = "origin", "slack", {}
     if model_type == "coca_lm":
         attention, coca_form = config.get("attention", "origin"), config.get("coca_form", "slack")
+        design = dict(design_params={attention: config["design_params"]} if config.get("design_params") else {},
+                      length_temperature=bool(config.get("length_temperature")))
     activation = config.get("hidden_act", defaults["hidden_act"])
     if activation != _ACTIVATION[arch]:
         raise _refuse(where, "hidden_act", activation, f"this {arch} model uses {_ACTIVATION[arch]} "
@@ -212,7 +214,8 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
     try:
         return ModelConfig(
             arch=arch, **sizes, n_head=heads, n_kv_head=None if kv == heads else kv, n_embd=hidden,
-            max_seq_len=max_positions, attention=attention, coca_form=coca_form, rotary_pct=pct, rope_base=base,
+            max_seq_len=max_positions, attention=attention, coca_form=coca_form, **design, rotary_pct=pct,
+            rope_base=base,
             rope_scaling=scaling, parallel_residual=parallel if arch == "neox" else False, layernorm_eps=eps,
             tie_embeddings=_get(config, "tie_word_embeddings", bool, where, False),
         )

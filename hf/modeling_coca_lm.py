@@ -45,6 +45,7 @@ except ImportError:  # transformers < 5
 from .base import distance_bias
 from .registry import design_of
 from .rope import Rope
+from .temperature import length_temperature
 
 BIAS_CHUNK = 256  # query rows per chunk of a distance bias [H, rows, keys]
 # The output's cache field: `cache` from transformers 5.2x on, `past_key_values` before.
@@ -57,8 +58,10 @@ class CocaLMConfig(PreTrainedConfig):
     arch: neox (GPT-NeoX: biases, exact GELU, parallel residual by default) | llama (RMSNorm, SwiGLU,
     grouped-query attention with num_key_value_heads heads, no biases). layer_norm_eps is every
     norm's eps. attention: the design (coca-lm's `model.attention`: alibi, coca, ...); coca_form: slack |
-    strict (CoCA's). max_position_embeddings is the training length L0, which dynamic NTK scales
-    from. rope_parameters (designs with RoPE only): rope_type
+    strict (CoCA's); design_params: the design's parameters (coca-lm's `model.design_params.<key>`);
+    length_temperature: the training length L0 of the length temperature, 0 when off (query i's
+    scores times max(1, log(i + 1) / log(L0))). max_position_embeddings is the training length L0,
+    which dynamic NTK scales from. rope_parameters (designs with RoPE only): rope_type
     default | linear | dynamic | yarn, rope_theta, partial_rotary_factor, factor, and for yarn
     beta_fast, beta_slow and original_max_position_embeddings (the length it scales from; else L0).
     """
@@ -82,10 +85,15 @@ class CocaLMConfig(PreTrainedConfig):
         rope_parameters: dict | None = None,
         tie_word_embeddings: bool = False,
         use_cache: bool = True,
+        design_params: dict | None = None,
+        length_temperature: int = 0,
         **kwargs,
     ):
-        if design_of(attention, coca_form).native_hf:
+        design = design_of(attention, coca_form)
+        if design.native_hf and not length_temperature:
             raise ValueError(f"attention={attention!r} exports as its architecture's own class, not coca_lm")
+        if design_params and design.params is None:
+            raise ValueError(f"design_params={design_params}: attention={attention!r} has no parameters")
         kv_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         if arch not in LAYOUT or num_attention_heads % kv_heads or (arch == "neox" and kv_heads != num_attention_heads):
             raise ValueError(f"arch={arch!r}, num_key_value_heads={num_key_value_heads!r}: need neox|llama, and "
@@ -102,6 +110,9 @@ class CocaLMConfig(PreTrainedConfig):
         self.use_parallel_residual = use_parallel_residual
         self.attention = attention
         self.coca_form = coca_form
+        self.design_params = dict(design_params or {})
+        design.params and design.params(**self.design_params)  # checks the values, naming the field
+        self.length_temperature = length_temperature
         self.use_cache = use_cache
         self.rope_parameters = dict(rope_parameters or UNSCALED)
         check_rope_parameters(self)
@@ -149,8 +160,17 @@ def rope_from_config(config: CocaLMConfig) -> Rope:
     scaling = RopeScaling("none" if kind == "default" else kind, float(p.get("factor") or 1.0),
                           float(p.get("beta_fast") or 32.0), float(p.get("beta_slow") or 1.0))
     head_dim = config.hidden_size // config.num_attention_heads
-    return Rope(int(head_dim * p.get("partial_rotary_factor", 1.0)), float(p.get("rope_theta", 10000.0)),
-                p.get("original_max_position_embeddings") or config.max_position_embeddings, scaling)
+    rotary_dims = int(head_dim * p.get("partial_rotary_factor", 1.0))
+    design = design_of(config.attention, config.coca_form)
+    pairs = None if design.rotating_pairs is None else design.rotating_pairs(design_params(config), rotary_dims // 2)
+    return Rope(rotary_dims, float(p.get("rope_theta", 10000.0)),
+                p.get("original_max_position_embeddings") or config.max_position_embeddings, scaling, pairs)
+
+
+def design_params(config: CocaLMConfig):
+    """The design's parameters (its dataclass) from `config.design_params`, or None."""
+    design = design_of(config.attention, config.coca_form)
+    return None if design.params is None else design.params(**config.design_params)
 
 
 # ---- attention -------------------------------------------------------------------------------------
@@ -161,15 +181,18 @@ def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     return k.shape[1] != q.shape[1]
 
 
-def causal_sdpa(q, k, v, key_mask: torch.Tensor | None) -> torch.Tensor:
-    """Causal SDPA, query i at position Tk - Tq + i; key_mask [B, Tk] bool drops padded keys."""
+def causal_sdpa(q, k, v, key_mask: torch.Tensor | None, window: int = 0) -> torch.Tensor:
+    """Causal SDPA, query i at position Tk - Tq + i; key_mask [B, Tk] bool drops padded keys;
+    window > 0: only the `window` most recent keys, the query's own included."""
     tq, tk, gqa = q.shape[-2], k.shape[-2], _gqa(q, k)
-    if key_mask is None:
+    if key_mask is None and not window:
         if tq == tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if tq == 1:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    if window:
+        mask &= ~torch.ones_like(mask).tril(tk - tq - window)
     if key_mask is not None:
         mask = _with_keys(mask, key_mask, tk - tq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -215,7 +238,8 @@ class CocaLMAttention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.design = design_of(config.attention, config.coca_form)
+        self.design = design_of(config.attention, config.coca_form).layer(
+            design_params(config), layer_idx, config.num_hidden_layers)
         self.fused = config.arch == "neox"
         width = config.hidden_size
         if self.fused:
@@ -236,14 +260,18 @@ class CocaLMAttention(nn.Module):
         return tuple(proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
                      for proj in (self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, x, rope, cache: Cache | None, key_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x, rope, cache: Cache | None, key_mask: torch.Tensor | None,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x)
         q, k = self.design.qk(q, k, rope)
+        if q_scale is not None:
+            q = q * q_scale
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         slopes = self.design.slopes
-        y = causal_sdpa(q, k, v, key_mask) if slopes is None else bias_sdpa(q, k, v, key_mask, slopes(self.n_head))
+        y = (causal_sdpa(q, k, v, key_mask, self.design.window) if slopes is None
+             else bias_sdpa(q, k, v, key_mask, slopes(self.n_head)))
         out = self.dense if self.fused else self.o_proj
         return out(y.transpose(1, 2).reshape(B, T, C))
 
@@ -300,14 +328,14 @@ class CocaLMLayer(nn.Module):
             self.attention = CocaLMAttention(config, layer_idx)
             self.mlp = CocaLMMLP(config)
 
-    def attend(self, x, rope, cache, key_mask) -> torch.Tensor:
+    def attend(self, x, rope, cache, key_mask, q_scale) -> torch.Tensor:
         attention = self.self_attn if self.llama else self.attention
-        return attention(self.input_layernorm(x), rope, cache, key_mask)
+        return attention(self.input_layernorm(x), rope, cache, key_mask, q_scale)
 
-    def forward(self, x, rope, cache, key_mask):
+    def forward(self, x, rope, cache, key_mask, q_scale=None):
         if self.parallel:
-            return x + self.attend(x, rope, cache, key_mask) + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.attend(x, rope, cache, key_mask)
+            return x + self.attend(x, rope, cache, key_mask, q_scale) + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.attend(x, rope, cache, key_mask, q_scale)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -368,14 +396,15 @@ class CocaLMModel(CocaLMPreTrainedModel):
         key_mask = None
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             key_mask = attention_mask[:, -(past + T):].bool()
-        rope = None
-        if self.rope is not None:
-            positions = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)
-            if positions.dim() == 2:  # [B, T] -> [B, 1, T]: tables broadcast over heads
-                positions = positions[:, None, :]
-            rope = self.rope.tables(positions, past + T, x.dtype)
+        positions = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)
+        if positions.dim() == 2:  # [B, T] -> [B, 1, T]: tables and scales broadcast over heads
+            positions = positions[:, None, :]
+        rope = self.rope.tables(positions, past + T, x.dtype) if self.rope is not None else None
+        q_scale = None
+        if self.config.length_temperature:
+            q_scale = length_temperature(positions, self.config.length_temperature).to(x.dtype)[..., None]
         for layer in self.layers:
-            x = layer(x, rope, cache, key_mask)
+            x = layer(x, rope, cache, key_mask, q_scale)
         return self.final_norm(x)
 
 

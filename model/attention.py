@@ -45,11 +45,13 @@ BIAS_CHUNK = 256
 
 
 class AttentionInputs(NamedTuple):
-    """A layer's attention inputs: scores = q_eff @ k_eff.T / sqrt(D) - slope * (m - n), n <= m."""
+    """A layer's attention inputs: scores = q_eff @ k_eff.T / sqrt(D) - slope * (m - n), n <= m (and
+    m - n < window where there is one)."""
 
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D] (under GQA each kv head repeated for the query heads it serves)
     slopes: torch.Tensor | None  # [H] float32, for a design with a distance bias
+    window: int = 0  # a sliding window's keys (0: every earlier key)
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -60,13 +62,19 @@ def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     return k.shape[1] != q.shape[1]
 
 
-def causal_attention(q, k, v, slopes: Slopes | None = None, documents: Documents | None = None) -> torch.Tensor:
+def causal_attention(q, k, v, slopes: Slopes | None = None, documents: Documents | None = None,
+                     window: int = 0) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) [- slope_h (m - n)]) v, query i at position Tk - Tq + i (KV-cache
-    aware); with `documents`, only over earlier keys of the query's own document (`model.documents`)."""
+    aware); with `documents`, only over earlier keys of the query's own document (`model.documents`);
+    with `window` > 0, only over the `window` most recent keys, its own included (no bias then)."""
+    if window and slopes is not None:
+        raise ValueError("a sliding window with a distance bias is not implemented")
     if documents is not None:
-        return _document_attention(q, k, v, documents, slopes)
+        return _document_attention(q, k, v, documents, slopes, window)
     if slopes is not None:
         return bias_attention(q, k, v, slopes)
+    if window:
+        return window_attention(q, k, v, window)
     tq, tk, gqa = q.shape[-2], k.shape[-2], _gqa(q, k)
     if tq == tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -159,11 +167,16 @@ def _bias_score_mod(slopes_of: Slopes, n_head: int, device: str):
     return score_mod
 
 
-def _document_attention(q, k, v, documents: Documents, slopes: Slopes | None) -> torch.Tensor:
+def _document_attention(q, k, v, documents: Documents, slopes: Slopes | None, window: int = 0) -> torch.Tensor:
     """Document-masked attention: FlexAttention on GPU, each document's causal attention on CPU."""
     if q.shape[-2] != k.shape[-2] or documents.ids.shape != (q.shape[0], q.shape[-2]):
         raise ValueError(f"document masking needs q and k of one length (no KV cache) and documents [B, T]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.ids.shape)}")
+    if window:  # a window counts the distance, so within a document it is the document's own
+        if not q.is_cuda:
+            return segment_attention(q, k, v, documents.ids, functools.partial(_chunked_window, window=window))
+        mask = _document_window_mask(documents.ids, window)
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=_gqa(q, k))
     if not q.is_cuda:
         if slopes is not None:
             return segment_attention(q, k, v, documents.ids, functools.partial(_chunked_bias, slopes_of=slopes))
@@ -177,6 +190,63 @@ def _flex_bias(q, k, v, slopes: Slopes) -> torch.Tensor:
     flex = _compiled_flex()
     mod = _bias_score_mod(slopes, q.shape[1], device)
     return flex(q, k, v, score_mod=mod, block_mask=_causal_block_mask(q.shape[-2], device), enable_gqa=_gqa(q, k))
+
+
+# ---- sliding window ---------------------------------------------------------------------------------
+
+
+def window_attention(q, k, v, window: int) -> torch.Tensor:
+    """Causal attention over the `window` most recent keys, the query's own included: FlexAttention
+    with a sliding-window block mask on GPU; otherwise SDPA over chunks of query rows, each against
+    only the keys its window reaches (memory linear in N, time N x (chunk + window))."""
+    if q.is_cuda and q.shape[-2] == k.shape[-2]:
+        mask = _window_block_mask(q.shape[-2], window, str(q.device))
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=_gqa(q, k))
+    return _chunked_window(q, k, v, window)
+
+
+def _chunked_window(q, k, v, window: int) -> torch.Tensor:
+    """Query rows in chunks, each with the keys from its first row's window start to its last row;
+    with gradients each chunk is recomputed in backward (no per-chunk mask or probabilities kept)."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    offset = tk - tq
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    out = []
+    for start in range(0, tq, BIAS_CHUNK):
+        end = min(tq, start + BIAS_CHUNK)
+        first = max(0, offset + start - window + 1)
+        args = (q[..., start:end, :], k[..., first : offset + end, :], v[..., first : offset + end, :],
+                offset + start - first, window)
+        out.append(checkpoint(_window_rows, *args, use_reentrant=False) if grad else _window_rows(*args))
+    return torch.cat(out, dim=-2)
+
+
+def _window_rows(q, k, v, first: int, window: int) -> torch.Tensor:
+    """Rows at positions first.. (counted in the keys given) over those keys: n <= m, m - n < window."""
+    m = torch.arange(first, first + q.shape[-2], device=q.device)[:, None]
+    n = torch.arange(k.shape[-2], device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(n <= m) & (m - n < window), enable_gqa=_gqa(q, k))
+
+
+@functools.lru_cache(maxsize=32)
+def _window_block_mask(length: int, window: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, m, n):
+        return (n <= m) & (m - n < window)
+
+    return create_block_mask(mask_mod, None, None, length, length, device=device)
+
+
+def _document_window_mask(ids: torch.Tensor, window: int):
+    """The block mask of a sliding window within each document (evaluated over the B x T x T pairs:
+    a cost the GPU pays once per forward, shared by the windowed layers' calls)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, m, n):
+        return (ids[b, m] == ids[b, n]) & (n <= m) & (m - n < window)
+
+    return create_block_mask(mask_mod, ids.shape[0], None, ids.shape[1], ids.shape[1], device=str(ids.device))
 
 
 # ---- module --------------------------------------------------------------------------------------
@@ -206,10 +276,10 @@ class CausalSelfAttention(nn.Module):
     and kernel. neox: one fused, biased projection laid out per head as in GPT-NeoX ([H, 3, D] rows
     of `qkv`); llama: separate `q`, `k`, `v` without biases, k (CoCA's t) and v of n_kv_head heads."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.n_head, self.kv_heads, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        self.design = cfg.design
+        self.design = cfg.layer_design(index)
         self.fused = cfg.arch == "neox"
         if self.fused:
             self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
@@ -235,13 +305,17 @@ class CausalSelfAttention(nn.Module):
         capture: list[AttentionInputs] | None = None,
         documents: Documents | None = None,
         queries: int = 0,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens;
         documents: each token's document, for document masking (None: one document). queries > 0:
-        the output of the last `queries` positions only [B, queries, C], over the keys of all T."""
+        the output of the last `queries` positions only [B, queries, C], over the keys of all T.
+        q_scale: each query's score multiplier ([T, 1] or [B, 1, T, 1]: the length temperature)."""
         B, T, C = x.shape
         q, k, v = self.heads(x)
         q, k = self.design.qk(q, k, rope)
+        if q_scale is not None:
+            q = q * q_scale
         if cache is not None:
             k, v = cache.append(k, v)
         if queries:
@@ -250,6 +324,7 @@ class CausalSelfAttention(nn.Module):
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
             capture.append(AttentionInputs(q, k_eff, None if slopes is None else _slopes(slopes, self.n_head,
-                                                                                            str(x.device))))
-        y = causal_attention(q, k, v, slopes, documents)
+                                                                                            str(x.device)),
+                                           self.design.window))
+        y = causal_attention(q, k, v, slopes, documents, self.design.window)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -6,10 +6,10 @@ overrides; allowed values are checked in `__post_init__` with messages naming th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Optional
 
-from .designs import ATTENTIONS, COCA_FORMS, Design, design_of
+from .designs import ATTENTIONS, COCA_FORMS, DESIGNS, Design, design_of
 
 ARCHS = ("neox", "llama")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn")
@@ -74,6 +74,27 @@ def parse_scaling(spec: str) -> RopeScaling:
     return RopeScaling(kind, value)
 
 
+# `model.design_params.<key>.<name>`: one field per design that has parameters, holding its own
+# dataclass of them (`Design.params`), so that Hydra type-checks an override and each design's
+# defaults are its record's. Generated from the registry: a new design adds no field here.
+DesignParams = make_dataclass(
+    "DesignParams", [(key, d.params, field(default_factory=d.params)) for key, d in DESIGNS.items() if d.params])
+DesignParams.__module__ = __name__  # picklable and printable as model.config.DesignParams
+
+
+def design_params(values: Any) -> Any:
+    """A `DesignParams` from itself or a plain dict of dicts (a checkpoint's or an export's)."""
+    if isinstance(values, DesignParams):
+        return values
+    given = dict(values or {})
+    unknown = sorted(set(given) - {f for f in DesignParams.__dataclass_fields__})
+    if unknown:
+        raise ValueError(f"model.design_params.{unknown[0]}: no design with parameters has that key; "
+                         f"those that have: {', '.join(DesignParams.__dataclass_fields__) or 'none'}")
+    return DesignParams(**{key: DESIGNS[key].params(**value) if isinstance(value, dict) else value
+                           for key, value in given.items()})
+
+
 @dataclass
 class ModelConfig:
     """A decoder of one of two architectures (`model.gpt`), both with rotate-half RoPE:
@@ -83,8 +104,12 @@ class ModelConfig:
           attention, sequential residual and full rotary, which it requires).
     n_kv_head: key/value heads (llama only), dividing n_head; null: n_head (multi-head attention),
           1: multi-query attention. Query head h uses kv head h // (n_head / n_kv_head).
-    attention: the design (`model.designs.registry`: origin, i.e. RoPE | alibi | coca); coca_form:
-          CoCA's form, slack (released code) | strict (Eq. 9).
+    attention: the design (`model.designs.registry`: origin, i.e. RoPE | alibi | coca | nope | prope |
+          hybrid); coca_form: CoCA's form, slack (released code) | strict (Eq. 9).
+    design_params: each design's parameters, `design_params.<key>.<name>` (only the selected
+          design's are read), e.g. design_params.prope.p.
+    length_temperature: query i's dot-product scores are multiplied by max(1, log(i + 1) / log(L0)),
+          L0 = max_seq_len, i counted from the document start under doc_positions.
     max_seq_len: the training length (dynamic NTK and YaRN scale relative to it, or to
       `rope_scaling.original_max_seq_len` when set).
     rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
@@ -103,6 +128,8 @@ class ModelConfig:
     max_seq_len: int = 128
     attention: str = "origin"
     coca_form: str = "slack"
+    design_params: DesignParams = field(default_factory=DesignParams)
+    length_temperature: bool = False
     rotary_pct: float = 1.0
     rope_base: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -117,6 +144,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
+        self.design_params = design_params(self.design_params)
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len"):
             _positive(f"model.{name}", getattr(self, name))
         _one_of("model.arch", self.arch, ARCHS)
@@ -155,6 +183,8 @@ class ModelConfig:
         if self.doc_positions and not self.doc_mask:
             raise ValueError("model.doc_positions=true needs model.doc_mask=true (positions restart at "
                              "each document only where attention stays within it)")
+        if self.length_temperature and self.max_seq_len < 2:
+            raise ValueError("model.length_temperature=true needs model.max_seq_len >= 2 (it divides by log(L0))")
         if self.init_std <= 0 or self.layernorm_eps <= 0:
             raise ValueError("model.init_std and model.layernorm_eps must be > 0")
 
@@ -179,6 +209,20 @@ class ModelConfig:
     def design(self) -> Design:
         """The attention design this config selects (`model.designs.registry`)."""
         return design_of(self.attention, self.coca_form)
+
+    @property
+    def params(self) -> Any:
+        """The selected design's parameters (its `Design.params` dataclass), or None."""
+        return getattr(self.design_params, self.design.key, None)
+
+    def layer_design(self, index: int) -> Design:
+        """The design layer `index` runs (the hybrid's layers differ; p-RoPE's uses its p)."""
+        return self.design.layer(self.params, index, self.n_layer)
+
+    def rope_pairs(self) -> Optional[int]:
+        """How many rotary pairs rotate (p-RoPE), or None for all (`Rope(pairs=...)`)."""
+        d = self.design
+        return None if d.rotating_pairs is None else d.rotating_pairs(self.params, self.rotary_dims // 2)
 
     @property
     def kv_heads(self) -> int:

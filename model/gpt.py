@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
 from .designs import Rope, RopeTables
+from .designs.temperature import length_temperature
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
 from .sampling import check_sampling, next_token
@@ -74,22 +75,23 @@ class LMHead(nn.Linear):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.parallel = cfg.parallel_residual
         self.ln_1 = norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, index)
         self.ln_2 = norm(cfg)
         self.mlp = SwiGLU(cfg) if cfg.arch == "llama" else MLP(cfg)
 
     def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None, documents=None,
-                queries: int = 0):
+                queries: int = 0, q_scale: torch.Tensor | None = None):
         """x [B, T, C] -> [B, T, C]; with `queries` > 0 only the last `queries` positions' outputs
         [B, queries, C] (keys and values still come from all T: see `CausalSelfAttention`)."""
         rows = x[:, -queries:] if queries else x
+        attended = self.attn(self.ln_1(x), rope, cache, capture, documents, queries, q_scale)
         if self.parallel:
-            return rows + self.attn(self.ln_1(x), rope, cache, capture, documents, queries) + self.mlp(self.ln_2(rows))
-        rows = rows + self.attn(self.ln_1(x), rope, cache, capture, documents, queries)
+            return rows + attended + self.mlp(self.ln_2(rows))
+        rows = rows + attended
         return rows + self.mlp(self.ln_2(rows))
 
 
@@ -123,14 +125,14 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = norm(cfg)
         self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.rope = (
             Rope(cfg.rotary_dims, cfg.rope_base, cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len,
-                 cfg.rope_scaling)
+                 cfg.rope_scaling, pairs=cfg.rope_pairs())
             if cfg.design.rope
             else None
         )
@@ -177,22 +179,26 @@ class GPT(nn.Module):
             cache.record(idx)
         length = past + T
         x = self.wte(idx)
+        per_document = documents is not None and self.cfg.doc_positions
+        # [B, T] (per row; heads broadcast) or [T]
+        at = positions(documents.ids) if per_document else torch.arange(past, length, device=idx.device)
         rope = None
         if self.rope is not None:
-            if documents is not None and self.cfg.doc_positions:  # [B, T]: per row, heads broadcast
-                cos, sin = self.rope.tables(positions(documents.ids), length, x.dtype)
-                rope = cos[:, None], sin[:, None]
-            else:
-                rope = self.rope.tables(torch.arange(past, length, device=idx.device), length, x.dtype)
+            cos, sin = self.rope.tables(at, length, x.dtype)
+            rope = (cos[:, None], sin[:, None]) if per_document else (cos, sin)
+        q_scale = None
+        if self.cfg.length_temperature:
+            scale = length_temperature(at, self.cfg.max_seq_len).to(x.dtype)[..., None]
+            q_scale = scale[:, None] if per_document else scale
         remat = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         keep = keep if 0 < keep < T and capture is None and documents is None else 0
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
             queries = keep if i == len(self.h) - 1 else 0
             if remat and layer_cache is None and capture is None:
-                x = checkpoint(block, x, rope, None, None, documents, queries, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, None, documents, queries, q_scale, use_reentrant=False)
             else:
-                x = block(x, rope, layer_cache, capture, documents, queries)
+                x = block(x, rope, layer_cache, capture, documents, queries, q_scale)
         return self.ln_f(x)
 
     def forward(
@@ -248,6 +254,10 @@ class GPT(nn.Module):
         self.cfg = replace(self.cfg, rope_scaling=scaling)  # re-validates (e.g. a scaling on ALiBi)
         if self.rope is not None:
             self.rope.scaling = scaling
+
+    def set_length_temperature(self, on: bool) -> None:
+        """Switch the length temperature (`ModelConfig.length_temperature`) on a trained model."""
+        self.cfg = replace(self.cfg, length_temperature=on)
 
     @torch.no_grad()
     def capture_qk(self, idx: torch.Tensor) -> list[AttentionInputs]:

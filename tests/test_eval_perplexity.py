@@ -124,3 +124,19 @@ def test_default_plot_layers_are_the_papers():
     assert default_plot_layers(24) == [6, 12, 18, 24]
     assert default_plot_layers(4) == [1, 2, 3, 4]
     assert default_plot_layers(2) == [1, 2]
+
+
+def test_the_length_temperature_is_an_axis_of_the_sweep():
+    """`+temp` switches the temperature on for that scaling, also for a design without RoPE (whose
+    other scalings are skipped), and the trained setting is restored after the sweep."""
+    assert Scaling.parse("dynamic:8+temp") == Scaling("dynamic", 8.0, True)
+    assert Scaling.parse("none+temp").label == "none+temp" and Scaling.parse("dynamic:8").label == "dynamic:8"
+    scalings = [Scaling.parse(s) for s in ("none", "dynamic:4", "none+temp", "dynamic:4+temp")]
+    assert applicable(scalings, DESIGNS["alibi"])[0] == [scalings[0], scalings[2]]
+    model, d, none = gpt(), doc(4 * L0 + 1), Scaling("none")
+    ppl = {(r["scaling"], r["length"]): r["ppl"]
+           for r in sweep_ppl(model, [d], [L0, 4 * L0], L0, scalings, none, batch_tokens=4096, progress=False)}
+    assert ppl[("none+temp", L0)] == ppl[("none", L0)]  # 1 up to the training length
+    assert ppl[("none+temp", 4 * L0)] != ppl[("none", 4 * L0)]
+    assert ppl[("dynamic:4+temp", 4 * L0)] not in (ppl[("dynamic:4", 4 * L0)], ppl[("none+temp", 4 * L0)])
+    assert not model.cfg.length_temperature and model.cfg.rope_scaling.type == "none"

@@ -57,6 +57,7 @@ class Layer:
     q_eff: torch.Tensor
     k_eff: torch.Tensor
     slopes: torch.Tensor | None
+    window: int = 0
 
 
 def reference_stats(layer: Layer, sigma: float, window: int) -> dict:

@@ -26,8 +26,8 @@ from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 from hf.export import ExportError, export_hf
 from model import GPT, ModelConfig
-from model.designs import BY_LABEL
 from model.config import RopeScaling
+from model.designs import BY_LABEL
 from run_checks import clean_env
 from train.export_hf import main as export_main
 from train.load import load_model
@@ -37,7 +37,10 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 REPO = Path(__file__).resolve().parents[1]
 L0 = 32
 # Every design of the registry, by label; partial rotary and a sequential residual are exercised too.
-EXTRAS = {"origin": dict(rotary_pct=0.5, parallel_residual=False), "coca-slack": dict(rotary_pct=0.5)}
+# p-RoPE at p = 0.5: with llama's 4 rotary pairs the default 0.25 rotates only theta_0 = 1, which no
+# scaling changes (the test checks that each scaling changes the logits).
+EXTRAS = {"origin": dict(rotary_pct=0.5, parallel_residual=False), "coca-slack": dict(rotary_pct=0.5),
+          "p-rope": dict(design_params={"prope": {"p": 0.5}}), "hybrid": dict(length_temperature=True)}
 DESIGNS = {label: {**design.settings(), **EXTRAS.get(label, {})} for label, design in BY_LABEL.items()}
 SAMPLE = (
     "The quick brown fox, naïve café owner, paid €12.50 for 3 crêpes.\n"

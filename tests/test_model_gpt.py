@@ -8,10 +8,15 @@ import torch.nn.functional as F
 
 import model.loss as loss_module
 from model import GPT, KVCache, ModelConfig, RopeScaling
-from model.designs import Rope
+from model.designs import DESIGNS, Rope, design_of
 
-VARIANTS = [("origin", "slack"), ("alibi", "slack"), ("coca", "slack"), ("coca", "strict")]
-IDS = ["origin", "alibi", "coca-slack", "coca-strict"]
+# Every design of the registry, as (attention, coca_form); its label names the case.
+VARIANTS = [(d.attention, d.coca_form or "slack") for d in DESIGNS.values()]
+IDS = [d.label for d in DESIGNS.values()]
+# Parameters that make a design's feature visible in `small`'s 2 layers and 20 tokens: the hybrid's
+# layer 0 in a window of 3, its layer 1 global NoPE; p-RoPE rotating half its pairs.
+PARAMS = {"hybrid": {"hybrid": {"window": 3, "nope_every": 2}}, "prope": {"prope": {"p": 0.5}}}
+ROPE_SCALED = [(a, f, s) for a, f in VARIANTS for s in ("none", "dynamic") if design_of(a, f).rope or s == "none"]
 # arch=llama as `small` builds it: 2 query heads sharing 1 kv head (MQA, a group of 2).
 ARCHS = {"neox": {}, "llama": dict(arch="llama", n_kv_head=1, parallel_residual=False)}
 
@@ -22,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def small(attention="origin", coca_form="slack", arch="neox", **overrides) -> GPT:
     cfg = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, ffn_hidden=32, max_seq_len=8, **ARCHS[arch])
     torch.manual_seed(0)
+    cfg["design_params"] = PARAMS.get(attention, {})
     model = GPT(ModelConfig(**{**cfg, **overrides}, attention=attention, coca_form=coca_form)).double()
     for p in model.parameters():  # larger weights than init_std so that attention is far from uniform
         torch.nn.init.normal_(p, std=0.3)
@@ -45,10 +51,7 @@ def test_causality(attention, form, arch):
     assert (a[:, 12:] - b[:, 12:]).abs().amax(dim=-1).min() > 1e-6  # every later position sees it
 
 
-@pytest.mark.parametrize(
-    "attention, form, scaling",
-    [(a, f, s) for a, f in VARIANTS for s in ("none", "dynamic") if a != "alibi" or s == "none"],
-)
+@pytest.mark.parametrize("attention, form, scaling", ROPE_SCALED)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_kv_cache_matches_full_forward(attention, form, scaling, arch):
     """Prompt of 3, a chunk of 4 (queries offset into the cache), then single tokens past 3x L0."""
@@ -99,8 +102,7 @@ def test_loss_and_token_losses_match_full_logits(attention, form, arch, monkeypa
 
 
 @pytest.mark.parametrize("arch, parallel", [("neox", True), ("neox", False), ("llama", False)])
-@pytest.mark.parametrize("attention, form, scaling",
-                         [(a, f, s) for a, f in VARIANTS for s in ("none", "dynamic") if a != "alibi" or s == "none"])
+@pytest.mark.parametrize("attention, form, scaling", ROPE_SCALED)
 def test_logits_to_keep_is_the_tail_of_the_full_logits(attention, form, scaling, arch, parallel):
     """The tail of the full forward, past the training length too (dynamic NTK), while the last
     block's MLP sees only the kept positions (its attention queries the same ones)."""
@@ -117,7 +119,7 @@ def test_logits_to_keep_is_the_tail_of_the_full_logits(attention, form, scaling,
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("attention", ["origin", "alibi", "coca"])
+@pytest.mark.parametrize("attention", [a for a, f in VARIANTS if f == "slack"])
 def test_activation_checkpointing_gives_the_same_gradients(attention, arch):
     idx, targets = tokens(2, 9, seed=4), tokens(2, 9, seed=5)
     grads = []
@@ -128,25 +130,29 @@ def test_activation_checkpointing_gives_the_same_gradients(attention, arch):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
-def test_capture_qk_gives_the_layer_scores(attention, form, arch):
+def test_capture_qk_gives_the_layer_scores(attention, form, arch, layer):
     """Scores from capture_qk by the documented formula reproduce the layer's attention output
-    (under GQA k_eff has a head per query head: each its kv head's)."""
+    (under GQA k_eff has a head per query head: each its kv head's; a window masks far keys)."""
     model = small(attention, form, arch)
     seen = {}
-    model.h[1].attn.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], out=out))
+    model.h[layer].attn.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], out=out))
     idx = tokens(1, 12, seed=6)
     captured = model.capture_qk(idx)
     assert len(captured) == model.cfg.n_layer
-    q_eff, k_eff, slopes = captured[1]
-    assert (slopes is None) == (attention != "alibi") and q_eff.shape == (1, 2, 12, 8)
+    q_eff, k_eff, slopes, window = captured[layer]
+    assert (slopes is None) == (design_of(attention, form).slopes is None) and q_eff.shape == (1, 2, 12, 8)
+    assert window == (3 if (attention, layer) == ("hybrid", 0) else 0)
     m = torch.arange(12)
     scores = q_eff @ k_eff.transpose(-1, -2) / math.sqrt(8)
     if slopes is not None:
         scores = scores - slopes.double()[:, None, None] * (m[:, None] - m[None, :])
     scores = scores.masked_fill(m[:, None] < m[None, :], float("-inf"))
-    attn = model.h[1].attn
+    if window:
+        scores = scores.masked_fill(m[:, None] - m[None, :] >= window, float("-inf"))
+    attn = model.h[layer].attn
     if arch == "neox":
         v = attn.qkv(seen["x"]).view(1, 12, 2, 3, 8)[:, :, :, 2].transpose(1, 2)
     else:  # one kv head serves both query heads
@@ -158,7 +164,8 @@ def test_capture_qk_gives_the_layer_scores(attention, form, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
 def test_greedy_generate_follows_full_forward_argmax(attention, form, arch):
-    model = small(attention, form, arch, rope_scaling=RopeScaling("dynamic" if attention != "alibi" else "none", 2.0))
+    scaling = "dynamic" if design_of(attention, form).rope else "none"
+    model = small(attention, form, arch, rope_scaling=RopeScaling(scaling, 2.0))
     idx = tokens(2, 5, seed=7)
     out = model.generate(idx, max_new_tokens=10, greedy=True)
     want = idx

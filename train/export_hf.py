@@ -25,7 +25,7 @@ from pathlib import Path
 from data.cli import exit_code
 from data.tokenizer import Tokenizer
 from errors import EXIT_USAGE, UsageError, UserError, report_error
-from hf.export import ExportError, check_out, export_hf, tokenizer_refusal
+from hf.export import ExportError, check_out, export_hf, native, tokenizer_refusal
 from model.config import parse_scaling
 from train.checkpoint import MARKER, find_checkpoint
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(error, EXIT_USAGE if isinstance(error, ExportError) else exit_code(error))
     m = model.cfg
     kind = f"llama {m.design.label}" if m.arch == "llama" else m.design.label
-    code = "" if m.design.native_hf else " (trust_remote_code=True)"
+    code = "" if native(m) else " (trust_remote_code=True)"
     s = m.rope_scaling
     rope = "" if not m.design.rope else (" (no RoPE scaling)" if s.type == "none"
                                          else f" (RoPE scaling {s.type}:{s.factor:g})")

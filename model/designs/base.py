@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -47,6 +47,13 @@ class Design:
     from_origin: how an Origin model's weights become this design's (`model.convert`): "keep"
       (every tensor as it is), "k_to_t" (K's rows become T, as they are or drawn afresh: `t_init`),
       None (refused).
+    window: a sliding window of this many keys (the query's own included; 0: every earlier key).
+    rotating_pairs: (params, rotary pairs) -> how many pairs rotate, the highest frequencies first
+      (the rest get frequency 0: `Rope(pairs=...)`); None: all of them.
+    params: the dataclass of the design's parameters, with their defaults and checks (the config's
+      `model.design_params.<key>.<name>`, the export's `design_params`); None: it has none.
+    for_layer: (params, layer index, n_layer) -> the Design layer `index` runs (a parametrised
+      transform, another design in some layers, a window); None: this record in every layer.
     """
 
     key: str
@@ -61,7 +68,15 @@ class Design:
     coca_form: Optional[str] = None
     native_hf: bool = False
     from_origin: Optional[str] = None
+    window: int = 0
+    rotating_pairs: Optional[Callable[[Any, int], int]] = None
+    params: Optional[type] = None
+    for_layer: Optional[Callable[[Any, int, int], Design]] = None
 
     def settings(self) -> dict[str, str]:
         """The model-config fields that select this design, e.g. {"attention": "coca", "coca_form": "strict"}."""
         return {"attention": self.attention, **({"coca_form": self.coca_form} if self.coca_form else {})}
+
+    def layer(self, params: Any, index: int, n_layer: int) -> Design:
+        """The design layer `index` of `n_layer` runs, under this design's `params`."""
+        return self if self.for_layer is None else self.for_layer(params, index, n_layer)

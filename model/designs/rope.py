@@ -34,13 +34,18 @@ class Scaling(Protocol):
 
 
 class Rope:
-    """Computes cos/sin tables for given positions under a scaling (none|linear|ntk|dynamic|yarn)."""
+    """Computes cos/sin tables for given positions under a scaling (none|linear|ntk|dynamic|yarn).
 
-    def __init__(self, rotary_dims: int, base: float, train_len: int, scaling: Scaling):
+    pairs: how many pairs rotate, the highest frequencies (j = 0, 1, ...) first; the others get
+    frequency 0, so they pass through (p-RoPE). None: every pair rotates.
+    """
+
+    def __init__(self, rotary_dims: int, base: float, train_len: int, scaling: Scaling, pairs: int | None = None):
         self.rotary_dims = rotary_dims
         self.base = base
         self.train_len = train_len
         self.scaling = scaling
+        self.pairs = pairs
 
     def base_at(self, seq_len: int) -> float:
         """The RoPE base used when `seq_len` tokens are processed (only dynamic NTK varies)."""
@@ -53,6 +58,12 @@ class Rope:
 
     def inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
         """Per-pair angular frequencies [r/2] (float64) and the factor cos/sin are scaled by."""
+        inv, scale = self._scaled_inv_freq(seq_len)
+        if self.pairs is not None:
+            inv[self.pairs:] = 0.0
+        return inv, scale
+
+    def _scaled_inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
         r, s = self.rotary_dims, self.scaling
         inv = self.base_at(seq_len) ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)
         if s.type == "linear":

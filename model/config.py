@@ -104,8 +104,8 @@ class ModelConfig:
           attention, sequential residual and full rotary, which it requires).
     n_kv_head: key/value heads (llama only), dividing n_head; null: n_head (multi-head attention),
           1: multi-query attention. Query head h uses kv head h // (n_head / n_kv_head).
-    attention: the design (`model.designs.registry`: origin, i.e. RoPE | alibi | coca | nope | prope |
-          hybrid); coca_form: CoCA's form, slack (released code) | strict (Eq. 9).
+    attention: the design, a key of the registry (`model.designs.registry`; origin is RoPE);
+          coca_form: CoCA's form, slack (released code) | strict (Eq. 9).
     design_params: each design's parameters, `design_params.<key>.<name>` (only the selected
           design's are read), e.g. design_params.prope.p.
     length_temperature: query i's dot-product scores are multiplied by max(1, log(i + 1) / log(L0)),

@@ -107,7 +107,7 @@ class ModelConfig:
     attention: the design, a key of the registry (`model.designs.registry`; origin is RoPE);
           coca_form: CoCA's form, slack (released code) | strict (Eq. 9).
     design_params: each design's parameters, `design_params.<key>.<name>` (only the selected
-          design's are read), e.g. design_params.prope.p.
+          design's are read: `ModelConfig.params`).
     length_temperature: query i's dot-product scores are multiplied by max(1, log(i + 1) / log(L0)),
           L0 = max_seq_len, i counted from the document start under doc_positions.
     max_seq_len: the training length (dynamic NTK and YaRN scale relative to it, or to
@@ -216,7 +216,7 @@ class ModelConfig:
         return getattr(self.design_params, self.design.key, None)
 
     def layer_design(self, index: int) -> Design:
-        """The design layer `index` runs (the hybrid's layers differ; p-RoPE's uses its p)."""
+        """The design layer `index` runs (`Design.for_layer`: a design whose layers differ)."""
         return self.design.layer(self.params, index, self.n_layer)
 
     def rope_pairs(self) -> Optional[int]:

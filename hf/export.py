@@ -18,11 +18,12 @@ a failure leaves the previous export or nothing. What a run or a checkpoint look
 knowledge: `python -m train.export_hf` refuses those places before calling this.
 
 RoPE scalings map onto transformers' `rope_parameters`, the same for both architectures: none ->
-default, linear -> linear, dynamic -> dynamic, yarn -> yarn, ntk (a static base) -> default with
-`rope_theta` = the scaled base (Llama's rotary is always full: no `partial_rotary_factor`). The
-length YaRN and dynamic NTK scale from (the training length, or `rope_scaling.original_max_seq_len`
-when set) goes where transformers reads it: yarn's `original_max_position_embeddings`, and under
-dynamic `max_position_embeddings` (otherwise the training length).
+default, linear -> linear, dynamic -> dynamic, yarn -> yarn, llama3 -> llama3, ntk (a static base)
+-> default with `rope_theta` = the scaled base (Llama's rotary is always full: no
+`partial_rotary_factor`). The length YaRN, llama3 and dynamic NTK scale from (the training length,
+or `rope_scaling.original_max_seq_len` when set) goes where transformers reads it: yarn's and
+llama3's `original_max_position_embeddings`, and under dynamic `max_position_embeddings`
+(otherwise the training length).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def rope_parameters(m: ModelConfig) -> dict:
     elif s.type == "yarn":
         params.update(rope_type="yarn", factor=float(s.factor), beta_fast=float(s.beta_fast),
                       beta_slow=float(s.beta_slow),
+                      original_max_position_embeddings=s.original_max_seq_len or m.max_seq_len)
+    elif s.type == "llama3":
+        params.update(rope_type="llama3", factor=float(s.factor), low_freq_factor=float(s.low_freq_factor),
+                      high_freq_factor=float(s.high_freq_factor),
                       original_max_position_embeddings=s.original_max_seq_len or m.max_seq_len)
     return params
 

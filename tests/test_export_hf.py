@@ -222,11 +222,13 @@ def _check_rope(config, model: GPT) -> None:
     s, p = model.cfg.rope_scaling, config.rope_parameters
     assert p["rope_type"] == {"none": "default", "ntk": "default"}.get(s.type, s.type)
     assert p["rope_theta"] == pytest.approx(model.rope.base_at(1) if s.type == "ntk" else model.cfg.rope_base)
-    if s.type in ("linear", "dynamic", "yarn"):
+    if s.type in ("linear", "dynamic", "yarn", "llama3"):
         assert p["factor"] == s.factor
     train_len = s.original_max_seq_len or model.cfg.max_seq_len
-    if s.type == "yarn":
+    if s.type in ("yarn", "llama3"):
         assert p["original_max_position_embeddings"] == train_len
+    if s.type == "llama3":
+        assert (p["low_freq_factor"], p["high_freq_factor"]) == (s.low_freq_factor, s.high_freq_factor)
     assert config.max_position_embeddings == (train_len if s.type == "dynamic" else model.cfg.max_seq_len)
 
 
@@ -239,7 +241,7 @@ def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
     model = random_model(tokenizer, design, variant)
     idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
     scalings = [("none", 1.0)] if design == "alibi" else [("none", 1.0), ("dynamic", 4.0), ("linear", 4.0),
-                                                            ("ntk", 4.0), ("yarn", 4.0)]
+                                                            ("ntk", 4.0), ("yarn", 4.0), ("llama3", 4.0)]
     with torch.no_grad():
         unscaled = model(idx)
     for kind, factor in scalings:
@@ -266,10 +268,10 @@ def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("variant, design", [("neox", "origin"), ("llama", "origin"), ("llama", "coca-slack"),
                                              ("llama-tied", "coca-strict")])
-@pytest.mark.parametrize("kind", ["dynamic", "yarn"])
+@pytest.mark.parametrize("kind", ["dynamic", "yarn", "llama3"])
 def test_scaling_from_an_original_length_is_where_transformers_reads_it(kind, variant, design, tokenizer, tmp_path):
     """A model continued past its pretraining length scales RoPE from that shorter length
-    (`rope_scaling.original_max_seq_len`): the export carries it (yarn's
+    (`rope_scaling.original_max_seq_len`): the export carries it (yarn's and llama3's
     original_max_position_embeddings, dynamic's max_position_embeddings) and gives our logits,
     which differ from those of a scaling from the training length. (Heads of 16 rotary dims or more:
     with 8, YaRN's ramp is the same from 16 tokens as from 32.)"""

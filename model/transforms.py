@@ -72,12 +72,12 @@ class Rope:
         """Llama 3.1's scaling (transformers' `_compute_llama3_parameters`): a pair whose wavelength
         exceeds L0 / low_freq_factor turns `factor` times slower, one under L0 / high_freq_factor is
         kept, and between them the frequency ramps linearly in L0 / wavelength."""
-        s = self.scaling
+        s, l0 = self.scaling, self.train_len
         wavelength = 2 * math.pi / inv
-        smooth = (self.train_len / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        smooth = (l0 / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
         ramped = (1.0 - smooth) * inv / s.factor + smooth * inv
-        slow = torch.where(wavelength > self.train_len / s.low_freq_factor, inv / s.factor, inv)
-        medium = (wavelength >= self.train_len / s.high_freq_factor) & (wavelength <= self.train_len / s.low_freq_factor)
+        slow = torch.where(wavelength > l0 / s.low_freq_factor, inv / s.factor, inv)
+        medium = (wavelength >= l0 / s.high_freq_factor) & (wavelength <= l0 / s.low_freq_factor)
         return torch.where(medium, ramped, slow)
 
     def _yarn(self, inv: torch.Tensor) -> torch.Tensor:

@@ -547,8 +547,13 @@ def test_train_from_a_directory_with_its_tokenizer_resumes_exactly_and_evaluates
     full, part = tmp_path / "full", tmp_path / "part"
     ok(train(full, cache, f"init_from={hf_model}", "max_steps=4"))
     ok(train(part, cache, f"init_from={hf_model}", "max_steps=2"))
+    stored = next(part / name for name in ("tokenizer.json", "tokenizer.model") if (part / name).is_file())
+    kept = stored.read_bytes()
+    stored.write_bytes(kept + b" ")  # edited by hand: the checkpoint's copy replaces it, and that is said
     resumed = ok(train(part, cache, "resume=auto", "max_steps=4"))
-    assert "resumed from" in resumed.stderr
+    assert "resumed from" in resumed.stderr and stored.read_bytes() == kept
+    assert f"warning: {stored} differs from the tokenizer this run trains with (its checkpoint's copy)" \
+        in resumed.stderr
     assert losses(part) == losses(full) and len(losses(full)) == 4
     before = {p: p.read_bytes() for p in part.rglob("*") if p.is_file()}
     refused = train(part, cache, "resume=auto", "max_steps=6", "model.n_layer=3")

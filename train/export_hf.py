@@ -83,7 +83,7 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 with the directory written, else 1 or 2 (the module's docstring) with one `error:` line."""
-    from train.load import TOKENIZER_FILE, load_model
+    from train.load import checkpoint_tokenizer, load_model
 
     try:
         args = _parse_args(sys.argv[1:] if argv is None else argv)
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         check_outside_runs(out, run)
         check_out(out, overwrite)
         ckpt = find_checkpoint(run)
-        refusal = tokenizer_refusal(Tokenizer(ckpt / TOKENIZER_FILE))
+        stored = checkpoint_tokenizer(ckpt)
+        refusal = tokenizer_refusal(stored) if isinstance(stored, Tokenizer) else None
         if refusal:
             raise UserError(refusal)
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's merge prints progress to stdout

@@ -512,6 +512,19 @@ def test_train_refuses_a_shape_override_that_disagrees_exit_2(llama_plain, tmp_p
                       "model.n_head=4: drop the override")
 
 
+def test_a_shape_change_through_init_from_exits_2_from_a_run_as_from_a_directory(micro_run, llama_plain, tmp_path,
+                                                                                 capsys):
+    """The same mistake, one exit status (errors.py: a value given that disagrees is usage): a run
+    checkpoint's shape, like a directory's, refused in one line before DeepSpeed starts."""
+    codes = [_train_main("experiment=micro", f"init_from={micro_run}", "model.n_layer=3",
+                         f"run_dir={tmp_path / 'from_run'}"),
+             _train_main(f"init_from={llama_plain}", "model.n_layer=3", f"run_dir={tmp_path / 'from_dir'}")]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert codes == [2, 2] and len(err) == 2, err
+    assert "has model.n_layer=1, this run has model.n_layer=3" in err[0] and "model.n_layer=3 disagrees" in err[1]
+    assert not (tmp_path / "from_run").exists() and not (tmp_path / "from_dir").exists()
+
+
 # ---- python -m train init_from=<dir>, resume, eval (subprocesses) -----------------------------------------
 
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from data.cli import compose_tree, validated
+from data.cli import booleans_only, compose_tree, validated
 from data.config import DataConfig
 from errors import ConfigError
 from model.config import FLAVORS, ModelConfig, flavor
@@ -241,7 +241,9 @@ def register_configs() -> None:
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema."""
+    """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema
+    (a boolean takes only true or false: `data.cli.booleans_only`)."""
+    booleans_only(TrainConfig, overrides)
     return compose_tree("config", overrides, register_configs, job_name="train")
 
 

@@ -416,6 +416,32 @@ def test_world_size_error_under_the_deepspeed_launcher_is_one_line(tmp_path):
     assert not run_dir.exists()
 
 
+def _deepspeed(ranks: int, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return subprocess.run(["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), "--module", "train",
+                           *MICRO, f"run_dir={run_dir}", f"data.cache_dir={run_dir.parent / 'cache'}", *overrides],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_an_error_every_rank_meets_is_said_by_rank_0_alone(tmp_path):
+    """A 2-rank run resumed on 3 ranks with a setting the resume refuses (found by every rank once
+    DeepSpeed is up): one `error:` line, rank 0's, no rank prefix; the run is left as it was."""
+    run_dir = tmp_path / "run"
+    batch = ["batch_size=12", "micro_batch_size=2", "max_steps=2", "ckpt_every=2", "eval_every=2"]
+    assert _deepspeed(2, run_dir, *batch).returncode == 0
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    done = _deepspeed(3, run_dir, *batch, "resume=auto", "max_steps=4", "model.max_seq_len=64")
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-3000:]
+    assert errors[0].startswith("error: ") and "this run has model.max_seq_len=64" in errors[0]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
 # --- data sources: a directory, malformed JSON lines ----------------------------------------------
 def test_directory_as_a_files_source_asks_for_a_glob(tmp_path, capsys):
     _corpus(tmp_path / "corpus" / "a.jsonl")

@@ -156,6 +156,9 @@ class TrainConfig:
     nonfinite: stop (exit with an error) or skip (drop the batch) on a non-finite loss.
     compile: torch.compile each transformer block (fuses its element-wise work; the first steps
         take longer while it compiles). Parameter names and checkpoints are unchanged.
+    continues: set by the presets that continue a trained model (extend_*, dropin_coca,
+        continue_origin): without init_from or resume such a run would train a new model from
+        scratch, so it is refused.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -179,6 +182,7 @@ class TrainConfig:
     t_init: str = "from_k"
     nonfinite: str = "stop"
     compile: bool = False
+    continues: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "micro_batch_size", "max_steps", "eval_every", "eval_batches",
@@ -192,6 +196,9 @@ class TrainConfig:
         _one_of("t_init", self.t_init, T_INITS)
         if self.resume is not None and self.init_from is not None:
             raise ValueError("resume and init_from are exclusive: resume continues a run, init_from starts one")
+        if self.continues and self.resume is None and self.init_from is None:
+            raise ValueError(f"{self.name} continues a trained model: give init_from=<run, checkpoint or Hugging "
+                             "Face directory> (or resume=auto to continue this run)")
 
     def grad_accum(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank, for this world size."""

@@ -452,6 +452,31 @@ def test_zero3_export_loads_without_this_project(zero3, tmp_path):
 
 
 @pytest.mark.slow
+def test_zero3_export_eval_and_resume_say_only_their_own_lines(zero3, tmp_path):
+    """DeepSpeed's progress (the ZeRO-3 merge's prints and bars, its accelerator notice, torch's
+    deprecation warnings from its collectives) stays off a successful command's output."""
+    import shutil
+
+    run, _ = zero3
+    env = _env(tmp_path / "hf_home")
+    done = _ok(subprocess.run([sys.executable, "-m", "train.export_hf", f"run={run}", f"out={tmp_path / 'hf'}"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600))
+    assert done.stderr == "" and done.stdout.count("\n") == 1
+    done = _ok(subprocess.run([sys.executable, "-m", "eval", f"run={run}", "task=ppl", f"ppl.lengths=[{L0}]",
+                               "ppl.n_docs=1", "progress=false", "wandb.mode=disabled", f"out_dir={tmp_path / 'eval'}"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600))
+    assert done.stderr == "" and [line.split(":")[0] for line in done.stdout.splitlines()] == ["ppl", "markdown"]
+    shutil.copytree(run, tmp_path / "run")
+    done = _ok(subprocess.run([sys.executable, "-m", "train", "experiment=micro", "logger=none", "logger.progress=false",
+                               f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "deepspeed=zero3",
+                               "model.attention=coca", "model.coca_form=strict", "max_steps=8", "ckpt_every=8",
+                               "eval_every=8", "resume=auto"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600))
+    assert done.stdout == "" and done.stderr.splitlines()[0].startswith("resumed from"), done.stderr
+    assert [line.split(" ")[0] for line in done.stderr.splitlines()] == ["resumed", "step", "saved", "done:", "next:"]
+
+
+@pytest.mark.slow
 def test_lm_eval_runs_the_local_task(zero3, tmp_path):
     _, out = zero3
     cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={out},trust_remote_code=True",

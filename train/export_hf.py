@@ -18,7 +18,6 @@ missing run, a bad checkpoint, a tokenizer the export cannot express).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -98,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         refusal = tokenizer_refusal(stored) if isinstance(stored, Tokenizer) else None
         if refusal:
             raise UserError(refusal)
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's merge prints progress to stdout
-            model, _, tokenizer = load_model(str(ckpt))
+        model, _, tokenizer = load_model(str(ckpt))  # DeepSpeed's merge is quiet (train.load)
         if scaling is not None:
             model.set_rope_scaling(scaling.type, scaling.factor)
         export_hf(model, tokenizer, out, overwrite=overwrite, checkpoint=ckpt)

@@ -364,6 +364,20 @@ def test_generate_cuda_without_cuda(runs, capsys):
     assert _sizes(runs) == before
 
 
+@pytest.mark.parametrize("device", ["bogus", "cuda:x", "gpu"])
+def test_eval_and_generate_share_one_device_check(runs, device, capsys):
+    """A device that is not cpu, cuda or cuda:N: the same line from both commands, exit 2, before
+    anything loads (torch's own message, and a traceback from eval, before)."""
+    from generate.__main__ import main as generate_main
+
+    before = _sizes(runs)
+    want = f"device={device!r} is not one of cpu, cuda, cuda:N"
+    _one_error(capsys, generate_main([f"run={runs / 'micro'}", "prompt=x", f"device={device}"]), 2, want)
+    code = eval_main([f"run={runs / 'micro'}", f"device={device}", "task=ppl", "wandb.mode=disabled"])
+    _one_error(capsys, code, 2, want)
+    assert _sizes(runs) == before
+
+
 def test_generate_empty_stdin_and_greedy_at_temperature_zero(runs, capsys, monkeypatch):
     from generate.__main__ import main as generate_main
 

@@ -467,11 +467,11 @@ def test_zero3_export_eval_and_resume_say_only_their_own_lines(zero3, tmp_path):
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=600))
     assert done.stderr == "" and [line.split(":")[0] for line in done.stdout.splitlines()] == ["ppl", "markdown"]
     shutil.copytree(run, tmp_path / "run")
-    done = _ok(subprocess.run([sys.executable, "-m", "train", "experiment=micro", "logger=none", "logger.progress=false",
-                               f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "deepspeed=zero3",
-                               "model.attention=coca", "model.coca_form=strict", "max_steps=8", "ckpt_every=8",
-                               "eval_every=8", "resume=auto"], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=600))
+    resume = ["experiment=micro", "logger=none", "logger.progress=false", f"run_dir={tmp_path / 'run'}",
+              f"data.cache_dir={tmp_path / 'cache'}", "deepspeed=zero3", "model.attention=coca",
+              "model.coca_form=strict", "max_steps=8", "ckpt_every=8", "eval_every=8", "resume=auto"]
+    done = _ok(subprocess.run([sys.executable, "-m", "train", *resume], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600))
     assert done.stdout == "" and done.stderr.splitlines()[0].startswith("resumed from"), done.stderr
     assert [line.split(" ")[0] for line in done.stderr.splitlines()] == ["resumed", "step", "saved", "done:", "next:"]
 

@@ -15,6 +15,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,9 +31,12 @@ TOKENIZER_FILE = SP_TOKENIZER_FILE  # a SentencePiece run's tokenizer in its che
 
 
 def check_device(device: str) -> None:
-    """A CUDA device that this machine has (else a one-line `ValueError`, before anything loads)."""
-    if not device.startswith("cuda"):
+    """`cpu`, or a CUDA device that this machine has (else a one-line `ValueError`, before anything
+    loads): the one check of every command that takes `device=` (eval, generate)."""
+    if device == "cpu":
         return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device={device!r} is not one of cpu, cuda, cuda:N")
     if not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but this machine has no CUDA device (torch.cuda.is_available() "
                          "is False); use device=cpu")

@@ -130,7 +130,6 @@ def data_config(overrides: list[str]) -> DataConfig:
         sign = item[: len(item) - len(item.lstrip("+~"))]  # `+key` adds, `~key` deletes: before `data.`
         return item if key in _GROUPS or key.startswith("data.") else f"{sign}data.{item[len(sign):]}"
 
-    booleans_only(_Data, [scoped(o) for o in overrides])
     composed = compose_tree("config", [scoped(o) for o in overrides], _register_data_view, job_name="data")
     return validated(_Data, OmegaConf.masked_copy(composed, ["data"])).data
 

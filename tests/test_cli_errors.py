@@ -134,6 +134,18 @@ def test_prepare_out_is_a_file_and_shard_tokens_zero(tmp_path, capsys):
     assert _snapshot(tmp_path) == before and not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("value", ["2", "yes", "1", "maybe"])
+def test_a_boolean_takes_only_true_or_false(value, tmp_path, capsys):
+    """OmegaConf reads 2, "yes" and "1" as true: train and eval refuse them as they refuse "maybe"."""
+    from train.__main__ import main as train_main
+
+    code = train_main([f"model.doc_mask={value}", f"run_dir={tmp_path / 'run'}", "logger=none"])
+    _one_error(capsys, code, 2, f"model.doc_mask={value} is not a boolean: write true or false")
+    code = eval_main([f"run={tmp_path}", f"progress={value}", "wandb.mode=disabled"])
+    _one_error(capsys, code, 2, f"progress={value} is not a boolean")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_override_is_one_line(tmp_path, capsys):
     code = _exit_code(tokenizer_main, ["train", "sources=[{kind:files", f"cache_dir={tmp_path}"])
     _one_error(capsys, code, 2, "write key=value")

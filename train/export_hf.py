@@ -30,7 +30,7 @@ from train.checkpoint import MARKER, find_checkpoint
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "deepspeed.json")  # beside config.yaml: a run directory
 USAGE = ("usage: python -m train.export_hf run=<run dir or checkpoint> out=<dir> "
-         "[rope_scaling=none|linear:F|ntk:F|dynamic:F|yarn:F] [overwrite=true]")
+         "[rope_scaling=none|linear:F|ntk:F|dynamic:F|yarn:F|llama3:F] [overwrite=true]")
 
 
 def training_files(path: Path) -> str | None:

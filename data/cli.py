@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import NoReturn, TypeVar, get_args, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -59,6 +59,35 @@ def compose_tree(config_name: str, overrides: list[str], register: Callable[[], 
         raise ConfigError(f"{one_line(error)}: write key=value") from None
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         raise ConfigError(one_line(error)) from None
+
+
+def _field_type(schema: type, key: str) -> object:
+    """The type of the dotted field `key` of a dataclass schema (Optional[X] read as X), or None
+    where the key is not a field (a group, a `+key`: composition judges those)."""
+    kind: object = schema
+    for part in key.split("."):
+        if not is_dataclass(kind) or part not in {f.name for f in fields(kind)}:
+            return None
+        kind = get_type_hints(kind)[part]
+        kind = next((k for k in get_args(kind) if k is not type(None)), kind)  # Optional[X] -> X
+    return kind
+
+
+def booleans_only(schema: type, overrides: list[str]) -> None:
+    """Refuse an override that gives a boolean field of `schema` anything but true or false
+    (`model.doc_mask=2`): composition would read 2, "yes", "on" or "1" as true."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    for item in overrides:
+        try:
+            (override,) = OverridesParser.create().parse_overrides([item])
+            value = override.value()
+        except HydraException:
+            continue  # composition says what is wrong with its syntax
+        if _field_type(schema, override.key_or_group) is bool and not isinstance(value, bool) and value is not None:
+            raise ConfigError(f"{override.key_or_group}={override.get_value_element_as_str()} is not a boolean: "
+                              "write true or false")
 
 
 def validated(schema: type[T], cfg: DictConfig) -> T:

@@ -46,6 +46,9 @@ _CACHE_VERSION = 1
 HF_TOKENIZER_FILE, SP_TOKENIZER_FILE = "tokenizer.json", "tokenizer.model"
 TOKENIZER_FILES = (HF_TOKENIZER_FILE, SP_TOKENIZER_FILE)
 HF_ROLES_FILE = "tokenizer_config.json"  # which tokens are EOS, BOS, pad and unk (transformers' file)
+# A Hugging Face tokenizer's other files, carried as they are from its directory into a run and its
+# export: the special tokens (transformers 4's file) and the chat template (transformers 5's file).
+HF_CARRIED_FILES = ("special_tokens_map.json", "chat_template.jinja")
 _ROLES = ("eos", "bos", "pad", "unk")
 
 
@@ -149,7 +152,10 @@ class HFTokenizer:
 
     `roles` gives the token of each of eos, bos, pad, unk, as its text or its id (None: the tokenizer
     has none, id -1, as SentencePiece says): `load_tokenizer` reads them from the model's files
-    (`hf_roles`); they are kept as text, the form tokenizer_config.json stores. EOS is required (the
+    (`hf_roles`); they are kept as text, the form tokenizer_config.json stores. `config` is the
+    directory's tokenizer_config.json and `carried` its `HF_CARRIED_FILES`: a run stores them and its
+    export writes them back (`files`), so AutoTokenizer there is the imported one (its class, special
+    tokens, chat template) with the roles the run trained with. EOS is required (the
     stream ends every document with it). `encode` adds no special token and never matches one in
     the text (transformers' `split_special_tokens`): "</s>" in a document is text, so EOS appears
     only where the stream puts it and `data.synthetic.document_ids` counts documents right; a
@@ -157,12 +163,15 @@ class HFTokenizer:
     space as "▁" (SentencePiece's mark) for byte-level vocabularies too (GPT-2's "Ġ").
     """
 
-    def __init__(self, path: str | os.PathLike, roles: dict[str, str | int | None]):
+    def __init__(self, path: str | os.PathLike, roles: dict[str, str | int | None], config: dict | None = None,
+                 carried: dict[str, bytes] | None = None):
         self.path = str(path)
         if not Path(self.path).is_file():
             raise FileNotFoundError(f"tokenizer {self.path!r} does not exist (or is not a file)")
         self._json = Path(self.path).read_bytes()
         self.roles = roles
+        self.config = config or {}
+        self.carried = carried or {}
         self._load()
 
     def _load(self) -> None:
@@ -198,7 +207,8 @@ class HFTokenizer:
                             "with special tokens split: EOS must mark document ends only")
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "_json": self._json, "roles": self.roles}
+        return {"path": self.path, "_json": self._json, "roles": self.roles, "config": self.config,
+                "carried": self.carried}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -236,11 +246,15 @@ class HFTokenizer:
         return self._backend.decode(ids, skip_special_tokens=True)
 
     def files(self) -> dict[str, bytes]:
-        """What a run stores to load this tokenizer again: the tokenizer.json as it is, and the roles
-        as transformers' tokenizer_config.json writes them (token strings)."""
-        roles = {f"{role}_token": token for role, token in self.roles.items()}
-        config = {**roles, "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-        return {HF_TOKENIZER_FILE: self._json, HF_ROLES_FILE: (json.dumps(config, indent=2) + "\n").encode()}
+        """What a run stores to load this tokenizer again, and its export writes: the tokenizer.json
+        and the carried files as they are, and the directory's tokenizer_config.json with the roles
+        the run uses (token strings), a class AutoTokenizer reads the tokenizer.json with and no
+        clean-up of decoded spaces (as `decode`) where it names none."""
+        config = {**self.config, **{f"{role}_token": token for role, token in self.roles.items()}}
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        config.setdefault("clean_up_tokenization_spaces", False)
+        return {HF_TOKENIZER_FILE: self._json, HF_ROLES_FILE: (json.dumps(config, indent=2) + "\n").encode(),
+                **self.carried}
 
     def __repr__(self) -> str:
         return f"HFTokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
@@ -308,7 +322,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer | HFTokenizer:
     else:
         raise FileNotFoundError(f"tokenizer {str(path)!r} does not exist")
     if file.suffix == ".json":
-        return HFTokenizer(file, hf_roles(file.parent))
+        carried = {name: (file.parent / name).read_bytes() for name in HF_CARRIED_FILES
+                   if (file.parent / name).is_file()}
+        return HFTokenizer(file, hf_roles(file.parent), _read_json(file.parent / HF_ROLES_FILE), carried)
     tok = Tokenizer(file)
     config_path = file.parent / "config.json"
     eos = _config_id(_read_json(config_path), "eos", config_path)

@@ -28,7 +28,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data.cli import compose_tree, exit_code, validated
+from data.cli import booleans_only, compose_tree, exit_code, validated
 from data.config import DataConfig, DataError, check_dir
 from data.documents import long_documents
 from data.sources import by_document, source_files
@@ -256,7 +256,9 @@ def _register_schema() -> None:
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
-    """`conf/eval.yaml` with command-line overrides, type-checked against `EvalConfig`."""
+    """`conf/eval.yaml` with command-line overrides, type-checked against `EvalConfig` (a boolean
+    takes only true or false)."""
+    booleans_only(EvalConfig, overrides)
     return compose_tree("eval", overrides, _register_schema, job_name="eval")
 
 

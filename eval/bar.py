@@ -6,13 +6,24 @@ beside the run's results as `passkey_progress.md`) and calls a run past the bar 
 at least `BAR`. The seed report lists each run's first checkpoint at the bar and its final score;
 `eval.report --bar-only` repeats the analysis on the runs whose final checkpoint passes it (a post
 hoc subset: exploratory).
+
+    python -m eval.bar runs/study/origin_s1/eval docs/results/study/coca_s2
+
+prints, for each run's folder holding `passkey_progress.md` (or the file itself), its final score
+and its first checkpoint at the bar.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from data.cli import OneLineParser
+from data.config import DataError
+from errors import report_error
 
 BAR = 0.9  # passkey accuracy at the training length on the bar's cases
 PROGRESS_FILE = "passkey_progress.md"
@@ -52,10 +63,43 @@ class BarProgress:
 
 
 def read_progress(path: Path) -> BarProgress | None:
-    """The table `bench.passkey_progress` wrote, or None where the file is missing or holds no row."""
+    """The table `bench.passkey_progress` wrote, or None where the file is missing or holds no row;
+    a file that is not text is one `DataError` naming it."""
     if not path.is_file():
         return None
-    rows = sorted((int(m.group(1)), float(m.group(2))) for m in map(_ROW.match, path.read_text().splitlines()) if m)
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not a text file ({error.reason} at byte {error.start})") from None
+    rows = sorted((int(m.group(1)), float(m.group(2))) for m in map(_ROW.match, text.splitlines()) if m)
     if not rows:
         return None
     return BarProgress(tuple(step for step, _ in rows), tuple(score for _, score in rows))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One line per run: its final passkey score at the training length and its first step at the
+    bar; exit 1 (one `error:` line) for a run without a readable table."""
+    parser = OneLineParser(prog="python -m eval.bar", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=Path, nargs="+",
+                        help=f"a run's results folder holding {PROGRESS_FILE}, or the file itself")
+    args = parser.parse_args(argv)
+    lines = []
+    try:
+        for run in args.runs:
+            path = run if run.is_file() else run / PROGRESS_FILE
+            progress = read_progress(path)
+            if progress is None:
+                raise DataError(f"{path}: no passkey progress table (write it with `python -m bench.passkey_progress`)")
+            first = progress.first_at_bar
+            at_bar = f"first at the bar at step {first}" if first is not None else "never at the bar"
+            lines.append(f"{run}: final {progress.final:.2f} ({'passes' if progress.passes else 'below'} the bar "
+                         f"{BAR}), {at_bar}")
+    except DataError as error:
+        return report_error(error)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

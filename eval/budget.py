@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.cli import OneLineParser, exit_code
 from data.config import DataError, check_dir
@@ -47,21 +48,47 @@ def load_rule(path: Path) -> BudgetRule:
         raise DataError(f"--family {path} needs budget_rule (pilot_steps, every, window, min_gain): {e}") from None
 
 
+def _text(path: Path) -> str:
+    """A file's text; one `DataError` naming it where it is not UTF-8 text."""
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path} is not a text file ({error.reason} at byte {error.start})") from None
+
+
 def val_curve(run: Path) -> dict[int, float]:
-    """Validation loss by step from a run's metrics.jsonl."""
+    """Validation loss by step from a run's metrics.jsonl; a line that is not a JSON record (a torn
+    or binary file) is one `DataError` naming the file and the line."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise DataError(f"{path}: no such file (train the pilot first: launch/reproduce_extension.sh)")
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    curve = {}
+    for number, line in enumerate(_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if "val_loss" in record:
+                curve[int(record["step"])] = float(record["val_loss"])
+        except (ValueError, TypeError, KeyError) as error:
+            raise DataError(f"{path}: line {number} is not a metrics record ({type(error).__name__}: {error}); "
+                            "a run cut short mid-write leaves such a line: resume it, or remove the line") from None
+    return curve
 
 
 def tokens_per_step(run: Path) -> int | None:
-    """batch_size x model.max_seq_len from a run's config.yaml (None without one)."""
-    if not (run / "config.yaml").is_file():
+    """batch_size x model.max_seq_len from a run's config.yaml (None without one); a config.yaml
+    that is not YAML or lacks either key is one `DataError` naming it."""
+    path = run / "config.yaml"
+    if not path.is_file():
         return None
-    cfg = OmegaConf.load(run / "config.yaml")
-    return int(cfg.batch_size) * int(cfg.model.max_seq_len)
+    try:
+        cfg = OmegaConf.create(yaml.safe_load(_text(path)))
+        return int(cfg.batch_size) * int(cfg.model.max_seq_len)
+    except (yaml.YAMLError, ValueError, TypeError, AttributeError, OmegaConfBaseException) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise DataError(f"{path} is not a run's config (batch_size and model.max_seq_len): "
+                        f"{type(error).__name__}: {first}") from None
 
 
 def choose_budget(curves: dict[str, dict[int, float]], rule: BudgetRule) -> int:
@@ -93,6 +120,11 @@ def write_pilot(pilot: Path, out: Path, family: Path = FAMILY_FILE) -> dict:
     if not curves or len(missing) == 1:
         raise DataError(f"{pilot}: the pilot needs a run per recipe and one per t_init "
                         f"(missing: {', '.join(missing) or 'every run'})")
+    short = next(((name, max(c, default=0)) for name, c in curves.items() if max(c, default=0) < rule.pilot_steps),
+                 None)
+    if short:
+        raise DataError(f"{pilot / short[0]} has validation losses up to step {short[1]}, short of the pilot's "
+                        f"{rule.pilot_steps} steps (budget_rule.pilot_steps): finish it (resume=auto) first")
     budget = choose_budget(curves, rule)
     t_init = choose_t_init(curves, budget)
     sizes = {tokens_per_step(run) for run in runs}

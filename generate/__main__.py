@@ -25,7 +25,7 @@ from train.load import check_device
 
 USAGE = """usage: python -m generate run=<run dir or checkpoint> [prompt="..."] [key=value ...]
   keys: max_new_tokens=128 temperature=0.8 top_k=0 (0: off) top_p=1.0 seed=0 greedy=false
-        rope_scaling=as_trained|none|linear:F|ntk:F|dynamic:F|yarn:F stop_at_eos=true device=cpu
+        rope_scaling=as_trained|none|linear:F|ntk:F|dynamic:F|yarn:F|llama3:F stop_at_eos=true device=cpu
   the prompt is read from stdin when prompt= is absent"""
 
 

@@ -1,9 +1,13 @@
 """Write a trained model as a self-contained Hugging Face model directory (`export_hf`).
 
 The directory holds `config.json`, `model.safetensors` (our parameters under GPT-NeoX's names for
-arch=neox, Llama's for arch=llama: `hf.names`), `generation_config.json`, the SentencePiece model as
-a `tokenizer.json` that `AutoTokenizer` loads (standard `PreTrainedTokenizerFast`, same ids as
-`data.tokenizer.Tokenizer`), and the marker `coca_lm_export.json` listing these files.
+arch=neox, Llama's for arch=llama: `hf.names`), `generation_config.json`, the tokenizer, and the
+marker `coca_lm_export.json` listing these files. The tokenizer is the run's: our SentencePiece
+model written as a `tokenizer.json` that `AutoTokenizer` loads (standard `PreTrainedTokenizerFast`,
+same ids as `data.tokenizer.Tokenizer`), or, for a run that trained with a Hugging Face tokenizer
+(one imported with its model), that tokenizer's own files as the run stores them
+(`HFTokenizer.files`: its tokenizer.json, tokenizer_config.json, special tokens and chat template),
+with its BOS, EOS and pad ids in config.json and generation_config.json.
 
 - origin (a design whose registry record says `native_hf`): a plain `GPTNeoXForCausalLM`
   (arch=neox) or `LlamaForCausalLM` (arch=llama: grouped-query attention, tied or untied
@@ -19,11 +23,12 @@ a failure leaves the previous export or nothing. What a run or a checkpoint look
 knowledge: `python -m train.export_hf` refuses those places before calling this.
 
 RoPE scalings map onto transformers' `rope_parameters`, the same for both architectures: none ->
-default, linear -> linear, dynamic -> dynamic, yarn -> yarn, ntk (a static base) -> default with
-`rope_theta` = the scaled base (Llama's rotary is always full: no `partial_rotary_factor`). The
-length YaRN and dynamic NTK scale from (the training length, or `rope_scaling.original_max_seq_len`
-when set) goes where transformers reads it: yarn's `original_max_position_embeddings`, and under
-dynamic `max_position_embeddings` (otherwise the training length).
+default, linear -> linear, dynamic -> dynamic, yarn -> yarn, llama3 -> llama3, ntk (a static base)
+-> default with `rope_theta` = the scaled base (Llama's rotary is always full: no
+`partial_rotary_factor`). The length YaRN, llama3 and dynamic NTK scale from (the training length,
+or `rope_scaling.original_max_seq_len` when set) goes where transformers reads it: yarn's and
+llama3's `original_max_position_embeddings`, and under dynamic `max_position_embeddings`
+(otherwise the training length).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from data.config import check_dir
-from data.tokenizer import Tokenizer
+from data.tokenizer import HFTokenizer, Tokenizer
 from hf.names import hf_state_dict
 from model import GPT, ModelConfig, designs
 
@@ -68,6 +73,10 @@ def rope_parameters(m: ModelConfig) -> dict:
         params.update(rope_type="yarn", factor=float(s.factor), beta_fast=float(s.beta_fast),
                       beta_slow=float(s.beta_slow),
                       original_max_position_embeddings=s.original_max_seq_len or m.max_seq_len)
+    elif s.type == "llama3":
+        params.update(rope_type="llama3", factor=float(s.factor), low_freq_factor=float(s.low_freq_factor),
+                      high_freq_factor=float(s.high_freq_factor),
+                      original_max_position_embeddings=s.original_max_seq_len or m.max_seq_len)
     return params
 
 
@@ -85,7 +94,17 @@ def _architecture(m: ModelConfig) -> dict:
     return {"hidden_act": "gelu", "attention_bias": True}
 
 
-def hf_config(m: ModelConfig, tokenizer: Tokenizer) -> dict:
+def token_ids(tokenizer: Tokenizer | HFTokenizer) -> dict[str, int | None]:
+    """config.json's and generation_config.json's BOS, EOS and pad ids: a Hugging Face tokenizer's
+    own (None where it has none); ours has EOS before every document, so EOS is its BOS too."""
+    if isinstance(tokenizer, HFTokenizer):
+        bos, pad = tokenizer.bos_id, tokenizer.pad_id
+        return {"bos_token_id": bos if bos >= 0 else None, "eos_token_id": tokenizer.eos_id,
+                "pad_token_id": pad if pad >= 0 else None}
+    return {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+
+
+def hf_config(m: ModelConfig, tokenizer: Tokenizer | HFTokenizer) -> dict:
     """config.json: for Origin (`native_hf`) a plain GPT-NeoX or Llama config (`m.arch`), with the
     pre-5.0 names of the RoPE fields too, for older transformers; for the others a `coca_lm` config,
     which adds `arch`, `attention`, `coca_form` and the `auto_map` naming the remote code."""
@@ -94,8 +113,7 @@ def hf_config(m: ModelConfig, tokenizer: Tokenizer) -> dict:
         "num_attention_heads": m.n_head, "intermediate_size": m.ffn_hidden, **_architecture(m),
         "max_position_embeddings": max_position_embeddings(m), "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std, "use_cache": True, "torch_dtype": "float32",
-        "bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id,
-        "rope_parameters": rope_parameters(m),
+        **token_ids(tokenizer), "rope_parameters": rope_parameters(m),
     }
     rope = config["rope_parameters"]
     scaling = rope if rope["rope_type"] != "default" else None
@@ -165,8 +183,9 @@ def tokenizer_refusal(tokenizer: Tokenizer) -> str | None:
             "prefix, byte fallback), so that it encodes exactly as ours")
 
 
-def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
-    """tokenizer.json (BPE with byte fallback, no pre-tokenizer, spaces as U+2581) + its config.
+def save_tokenizer(tokenizer: Tokenizer | HFTokenizer, out: Path) -> None:
+    """A Hugging Face tokenizer's files as the run stores them; for ours, tokenizer.json (BPE with
+    byte fallback, no pre-tokenizer, spaces as U+2581) + its config.
 
     Our SentencePiece model is BPE with identity normalization and no dummy prefix, so the same
     model in the `tokenizers` library is: replace " " by U+2581, then BPE whose merge ranks follow
@@ -178,8 +197,12 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     text is the space piece here, where `data.tokenizer` encodes it as its three bytes.
     A model that this cannot express is refused (`tokenizer_refusal`).
     """
+    if isinstance(tokenizer, HFTokenizer):
+        for name, content in tokenizer.files().items():
+            (out / name).write_bytes(content)
+        return
     from tokenizers import AddedToken, decoders, normalizers
-    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import Tokenizer as Backend
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
@@ -197,7 +220,7 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
         merges += sorted(known, key=lambda s: (vocab[s[0]], vocab[s[1]]))
     model = BPE(vocab=vocab, merges=merges, unk_token=proto.pieces[tokenizer.unk_id].piece, byte_fallback=True,
                 fuse_unk=True)
-    backend = HFTokenizer(model)
+    backend = Backend(model)
     backend.normalizer = normalizers.Replace(" ", "\u2581")
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     special_ids = {tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id}
@@ -215,7 +238,7 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
     hf.save_pretrained(out)
 
 
-def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: bool = False,
+def export_hf(model: GPT, tokenizer: Tokenizer | HFTokenizer, out: str | Path, *, overwrite: bool = False,
               checkpoint: str | Path | None = None) -> Path:
     """Write `model` (fp32) and `tokenizer` as a Hugging Face model directory at `out`.
 
@@ -226,7 +249,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: b
     out = Path(out)
     check_out(out, overwrite)
     m = model.cfg
-    if tokenizer.vocab_size != m.vocab_size:
+    if tokenizer.vocab_size > m.vocab_size:  # fewer is a padded embedding (Pythia's 50,277 of 50,304 rows)
         raise ExportError(f"tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={m.vocab_size}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export_tmp_{os.getpid()}"
@@ -238,8 +261,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer, out: str | Path, *, overwrite: b
         # safetensors >= 0.8 writes through a temporary file created 0600, whatever the umask
         # (safetensors issue #782): give it the mode config.json got, as every other file here.
         os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
-        generation = {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id,
-                      "pad_token_id": tokenizer.pad_id, "do_sample": False}
+        generation = {**token_ids(tokenizer), "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if not native(m):
             for code in REMOTE_CODE:

@@ -14,13 +14,13 @@ transformers model is built: the config is read as JSON, the tensors with `safet
 Read from config.json: the sizes, heads and kv heads, `vocab_size` (the embedding's rows, often
 padded beyond the tokenizer), the RoPE base (`rope_theta` in `rope_parameters` as transformers 5
 writes it, or at the top level, or GPT-NeoX's `rotary_emb_base`), the RoPE scaling (`default`,
-`linear`, `dynamic`, `yarn` with the fields this project's export writes; YaRN's
-`original_max_position_embeddings` is `rope_scaling.original_max_seq_len`), tied embeddings, and
+`linear`, `dynamic`, `yarn` with the fields this project's export writes, Llama 3's `llama3`; YaRN's
+and llama3's `original_max_position_embeddings` is `rope_scaling.original_max_seq_len`), tied embeddings, and
 `max_position_embeddings` as the training length `max_seq_len`. A missing field takes the default
 of transformers' config class for that model type.
 
 Anything else stops with one line naming the field: another model type, a RoPE type this model
-does not compute (llama3, longrope, ...), biases where Llama has none (`attention_bias`,
+does not compute (longrope, ...), biases where Llama has none (`attention_bias`,
 `mlp_bias`), GPT-NeoX without them, an activation other than the architecture's (`gelu`, exact,
 for GPT-NeoX; `silu` for Llama), a `head_dim` other than hidden_size / heads, and missing,
 misshapen or unexpected tensors (`HFImportError`, exit 1). Old checkpoints' non-parameter buffers
@@ -49,10 +49,10 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MODEL_TYPES = {"gpt_neox": "GPTNeoXForCausalLM, Pythia", "llama": "LlamaForCausalLM",
                "coca_lm": "this project's export of a design other than Origin"}
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # The RoPE fields each type may carry (the ones our RoPE computes, as hf.export writes them).
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings"}
-_YARN_KEYS = {"beta_fast", "beta_slow"}
+_TYPE_KEYS = {"yarn": {"beta_fast", "beta_slow"}, "llama3": {"low_freq_factor", "high_freq_factor"}}
 _BUFFERS = re.compile(r"(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")  # not parameters
 # transformers' defaults for fields a config.json may leave out (GPTNeoXConfig, LlamaConfig).
 _DEFAULTS = {
@@ -128,8 +128,8 @@ def _refuse(where: str, field: str, value: Any, why: str) -> HFImportError:
 
 def _rope(config: dict, arch: str, where: str, max_positions: int) -> tuple[float, float, RopeScaling]:
     """(base, rotary_pct, scaling) from `rope_parameters` (transformers 5) or the older top-level
-    fields (`rope_theta` / `rotary_emb_base`, `rotary_pct`, `rope_scaling`). YaRN's
-    `original_max_position_embeddings` is the length it stretches from (`original_max_seq_len`);
+    fields (`rope_theta` / `rotary_emb_base`, `rotary_pct`, `rope_scaling`). YaRN's and llama3's
+    `original_max_position_embeddings` is the length they stretch from (`original_max_seq_len`);
     dynamic NTK scales from `max_position_embeddings` (as transformers does), linear from nothing."""
     params, legacy = config.get("rope_parameters"), config.get("rope_scaling")
     scaling, field = (params, "rope_parameters") if params else (legacy or {}, "rope_scaling")
@@ -139,7 +139,7 @@ def _rope(config: dict, arch: str, where: str, max_positions: int) -> tuple[floa
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind not in ROPE_TYPES:
         raise _refuse(where, f"{field}.rope_type", kind, f"this model computes RoPE as {', '.join(ROPE_TYPES)}")
-    allowed = _ROPE_KEYS | (_YARN_KEYS if kind == "yarn" else set())
+    allowed = _ROPE_KEYS | _TYPE_KEYS.get(kind, set())
     if kind == "yarn" and scaling.get("truncate", True) is True:
         allowed = allowed | {"truncate"}
     extra = sorted(k for k, v in scaling.items() if k not in allowed and v is not None)
@@ -158,8 +158,8 @@ def _rope(config: dict, arch: str, where: str, max_positions: int) -> tuple[floa
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1.0:
         raise HFImportError(f"{where}: {field}.factor={json.dumps(factor)} must be a number >= 1 for RoPE type {kind}")
     extras: dict[str, Any] = {}
-    if kind == "yarn":
-        extras = {k: float(scaling[k]) for k in _YARN_KEYS if scaling.get(k) is not None}
+    if kind in _TYPE_KEYS:
+        extras = {k: float(scaling[k]) for k in _TYPE_KEYS[kind] if scaling.get(k) is not None}
         original = scaling.get("original_max_position_embeddings")
         if original is not None and original != max_positions:
             extras["original_max_seq_len"] = original

@@ -62,8 +62,9 @@ class CocaLMConfig(PreTrainedConfig):
     length_temperature: the training length L0 of the length temperature, 0 when off (query i's
     scores times max(1, log(i + 1) / log(L0))). max_position_embeddings is the training length L0,
     which dynamic NTK scales from. rope_parameters (designs with RoPE only): rope_type
-    default | linear | dynamic | yarn, rope_theta, partial_rotary_factor, factor, and for yarn
-    beta_fast, beta_slow and original_max_position_embeddings (the length it scales from; else L0).
+    default | linear | dynamic | yarn | llama3, rope_theta, partial_rotary_factor, factor, for yarn
+    beta_fast and beta_slow, for llama3 low_freq_factor and high_freq_factor, and for both
+    original_max_position_embeddings (the length they scale from; else L0).
     """
 
     model_type = "coca_lm"
@@ -141,24 +142,27 @@ def check_rope_parameters(config: CocaLMConfig) -> None:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """`rope.Rope`'s scaling (type none | linear | dynamic | yarn) from `rope_parameters`."""
+    """`rope.Rope`'s scaling (type none | linear | dynamic | yarn | llama3) from `rope_parameters`."""
 
     type: str
     factor: float
     beta_fast: float
     beta_slow: float
+    low_freq_factor: float
+    high_freq_factor: float
 
 
 def rope_from_config(config: CocaLMConfig) -> Rope:
     """RoPE under `config.rope_parameters` (rope_type default is our none; a static NTK base is
     exported as default with the scaled `rope_theta`), scaled from `original_max_position_embeddings`
-    (yarn) or else `max_position_embeddings`, as transformers' own models do."""
+    (yarn, llama3) or else `max_position_embeddings`, as transformers' own models do."""
     p = config.rope_parameters
     kind = p.get("rope_type", "default")
-    if kind not in ("default", "linear", "dynamic", "yarn"):
-        raise ValueError(f"rope_parameters.rope_type={kind!r} is not one of default, linear, dynamic, yarn")
+    if kind not in ("default", "linear", "dynamic", "yarn", "llama3"):
+        raise ValueError(f"rope_parameters.rope_type={kind!r} is not one of default, linear, dynamic, yarn, llama3")
     scaling = RopeScaling("none" if kind == "default" else kind, float(p.get("factor") or 1.0),
-                          float(p.get("beta_fast") or 32.0), float(p.get("beta_slow") or 1.0))
+                          float(p.get("beta_fast") or 32.0), float(p.get("beta_slow") or 1.0),
+                          float(p.get("low_freq_factor") or 1.0), float(p.get("high_freq_factor") or 4.0))
     head_dim = config.hidden_size // config.num_attention_heads
     rotary_dims = int(head_dim * p.get("partial_rotary_factor", 1.0))
     design = design_of(config.attention, config.coca_form)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from .designs import ATTENTIONS, COCA_FORMS, DESIGNS, Design, design_of
 
 ARCHS = ("neox", "llama")
-ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn")
+ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -30,11 +30,14 @@ class RopeScaling:
     """How RoPE is stretched beyond the training length (changeable on a trained model).
 
     type: none | linear (position interpolation) | ntk (static NTK-aware base) |
-          dynamic (NTK base recomputed for the length actually processed) | yarn.
+          dynamic (NTK base recomputed for the length actually processed) | yarn |
+          llama3 (Llama 3.1's: wavelengths beyond L0 / low_freq_factor divided by the factor,
+          below L0 / high_freq_factor kept, a smooth ramp between).
     factor: the stretch factor (>= 1).
     beta_fast, beta_slow: YaRN's correction range in rotations (used only by `yarn`).
-    original_max_seq_len: the length the scaling stretches from, YaRN's and dynamic NTK's L0
-      (None: `model.max_seq_len`). Set it to the pretraining length when a model continues
+    low_freq_factor, high_freq_factor: Llama 3's bounds (used only by `llama3`; its defaults 1, 4).
+    original_max_seq_len: the length the scaling stretches from, YaRN's, llama3's and dynamic
+      NTK's L0 (None: `model.max_seq_len`). Set it to the pretraining length when a model continues
       training at a longer one with a scaling (HF's `original_max_position_embeddings`).
     """
 
@@ -42,6 +45,8 @@ class RopeScaling:
     factor: float = 1.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
     original_max_seq_len: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -55,10 +60,15 @@ class RopeScaling:
                 f"model.rope_scaling.beta_fast={self.beta_fast!r}, beta_slow={self.beta_slow!r}: "
                 "need beta_fast > beta_slow > 0"
             )
+        if not self.high_freq_factor > self.low_freq_factor > 0:
+            raise ValueError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor!r}, low_freq_factor="
+                f"{self.low_freq_factor!r}: need high_freq_factor > low_freq_factor > 0"
+            )
 
 
 def parse_scaling(spec: str) -> RopeScaling:
-    """`none` or `type:factor` (linear | ntk | dynamic | yarn, factor >= 1), e.g. `dynamic:4`: the one
+    """`none` or `type:factor` (linear | ntk | dynamic | yarn | llama3, factor >= 1), e.g. `dynamic:4`: the one
     syntax of eval's `scalings`, generate's and the exporter's `rope_scaling=`."""
     kind, _, factor = spec.partition(":")
     if kind not in ROPE_SCALINGS:
@@ -253,8 +263,9 @@ FLAVORS: dict[str, dict[str, Any]] = {
     "tinyllama_1.1b": dict(**_LLAMA, n_layer=22, n_head=32, n_kv_head=4, n_embd=2048, ffn_hidden=5632,
                            vocab_size=32000, rope_base=10000.0, max_seq_len=2048, tie_embeddings=False),
     # Llama-3.2-1B's HF config says max_position_embeddings=131072, reached by its 'llama3' RoPE
-    # scaling (not implemented here) on a model pretrained at 8192 tokens: 8192 is its training
-    # length, the L0 that dynamic NTK and YaRN scale from.
+    # scaling (factor 32, low/high_freq_factor 1/4, from 8192) on a model pretrained at 8192 tokens:
+    # 8192 is its training length, the L0 every scaling stretches from. init_from its directory
+    # takes that scaling; the flavor alone is unscaled (model.rope_scaling.type=llama3 adds it).
     "llama3.2_1b": dict(**_LLAMA, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn_hidden=8192,
                         vocab_size=128256, rope_base=500000.0, max_seq_len=8192, tie_embeddings=True),
 }

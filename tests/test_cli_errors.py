@@ -134,6 +134,18 @@ def test_prepare_out_is_a_file_and_shard_tokens_zero(tmp_path, capsys):
     assert _snapshot(tmp_path) == before and not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("value", ["2", "yes", "1", "maybe"])
+def test_a_boolean_takes_only_true_or_false(value, tmp_path, capsys):
+    """OmegaConf reads 2, "yes" and "1" as true: train and eval refuse them as they refuse "maybe"."""
+    from train.__main__ import main as train_main
+
+    code = train_main([f"model.doc_mask={value}", f"run_dir={tmp_path / 'run'}", "logger=none"])
+    _one_error(capsys, code, 2, f"model.doc_mask={value} is not a boolean: write true or false")
+    code = eval_main([f"run={tmp_path}", f"progress={value}", "wandb.mode=disabled"])
+    _one_error(capsys, code, 2, f"progress={value} is not a boolean")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_override_is_one_line(tmp_path, capsys):
     code = _exit_code(tokenizer_main, ["train", "sources=[{kind:files", f"cache_dir={tmp_path}"])
     _one_error(capsys, code, 2, "write key=value")
@@ -364,6 +376,20 @@ def test_generate_cuda_without_cuda(runs, capsys):
     assert _sizes(runs) == before
 
 
+@pytest.mark.parametrize("device", ["bogus", "cuda:x", "gpu"])
+def test_eval_and_generate_share_one_device_check(runs, device, capsys):
+    """A device that is not cpu, cuda or cuda:N: the same line from both commands, exit 2, before
+    anything loads (torch's own message, and a traceback from eval, before)."""
+    from generate.__main__ import main as generate_main
+
+    before = _sizes(runs)
+    want = f"device={device!r} is not one of cpu, cuda, cuda:N"
+    _one_error(capsys, generate_main([f"run={runs / 'micro'}", "prompt=x", f"device={device}"]), 2, want)
+    code = eval_main([f"run={runs / 'micro'}", f"device={device}", "task=ppl", "wandb.mode=disabled"])
+    _one_error(capsys, code, 2, want)
+    assert _sizes(runs) == before
+
+
 def test_generate_empty_stdin_and_greedy_at_temperature_zero(runs, capsys, monkeypatch):
     from generate.__main__ import main as generate_main
 
@@ -414,6 +440,32 @@ def test_world_size_error_under_the_deepspeed_launcher_is_one_line(tmp_path):
         "that divides 1, or change batch_size"], done.stderr[-3000:]
     assert "built successfully" not in done.stdout  # the launcher logs there; DeepSpeed's banner is gone
     assert not run_dir.exists()
+
+
+def _deepspeed(ranks: int, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return subprocess.run(["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), "--module", "train",
+                           *MICRO, f"run_dir={run_dir}", f"data.cache_dir={run_dir.parent / 'cache'}", *overrides],
+                          cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_an_error_every_rank_meets_is_said_by_rank_0_alone(tmp_path):
+    """A 2-rank run resumed on 3 ranks with a setting the resume refuses (found by every rank once
+    DeepSpeed is up): one `error:` line, rank 0's, no rank prefix; the run is left as it was."""
+    run_dir = tmp_path / "run"
+    batch = ["batch_size=12", "micro_batch_size=2", "max_steps=2", "ckpt_every=2", "eval_every=2"]
+    assert _deepspeed(2, run_dir, *batch).returncode == 0
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    done = _deepspeed(3, run_dir, *batch, "resume=auto", "max_steps=4", "model.max_seq_len=64")
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-3000:]
+    assert errors[0].startswith("error: ") and "this run has model.max_seq_len=64" in errors[0]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 # --- data sources: a directory, malformed JSON lines ----------------------------------------------

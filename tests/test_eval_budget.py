@@ -64,6 +64,42 @@ def test_the_pilot_folder_gives_pilot_md_and_json_and_a_missing_run_is_one_line(
     assert capsys.readouterr().err.strip().endswith("missing: dropin_fresh)")
 
 
+def _pilot(root: Path) -> tuple[Path, Path]:
+    """A complete pilot of three runs (150 steps) and the family file of its rule."""
+    pilot = root / "pilot"
+    for name in ("extend_pi", "dropin_from_k", "dropin_fresh"):
+        (pilot / name).mkdir(parents=True)
+        rows = [{"step": s, "val_loss": 5.0 - s / 1000} for s in range(25, 175, 25)]
+        (pilot / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (pilot / name / "config.yaml").write_text("batch_size: 4\nmodel:\n  max_seq_len: 256\n")
+    family = root / "family.yaml"
+    family.write_text("budget_rule: {pilot_steps: 150, every: 25, window: 50, min_gain: 0.01}\n")
+    return pilot, family
+
+
+BROKEN_PILOTS = {  # what is done to dropin_fresh -> what the one line says
+    "stopped early": ("metrics.jsonl", '{"step": 25, "val_loss": 5.0}\n{"step": 50, "val_loss": 4.9}\n',
+                      "has validation losses up to step 50, short of the pilot's 150 steps"),
+    "config not yaml": ("config.yaml", "batch_size: [4\nmodel: {\n", "config.yaml is not a run's config"),
+    "config without batch_size": ("config.yaml", "model:\n  max_seq_len: 256\n", "config.yaml is not a run's config"),
+    "torn metrics": ("metrics.jsonl", '{"step": 25, "val_loss": 5.0}\n{"step": 50, "val_lo\n',
+                     "metrics.jsonl: line 2 is not a metrics record"),
+    "binary metrics": ("metrics.jsonl", b"\x80\xff\x00binary", "metrics.jsonl is not a text file"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_PILOTS))
+def test_a_broken_pilot_run_is_one_line_naming_its_file_exit_1(case, tmp_path, capsys):
+    pilot, family = _pilot(tmp_path)
+    name, content, needle = BROKEN_PILOTS[case]
+    path = pilot / "dropin_fresh" / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert budget.main([str(pilot), "--out", str(tmp_path / "out"), "--family", str(family)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert str(pilot / "dropin_fresh") in err[0]
+
+
 def test_the_committed_rule_reads():
     assert budget.load_rule(budget.FAMILY_FILE) == RULE
     with pytest.raises(ValueError, match="needs budget_rule"):

@@ -252,6 +252,26 @@ def test_bar_progress_reads_the_table_it_writes(tmp_path):
     assert bar.read_progress(tmp_path / "missing.md") is None
 
 
+def test_bar_command_says_each_run_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    """`python -m eval.bar` is a command: each run's final score and first step at the bar; a run
+    without the table, a binary table (exit 1) and an unknown flag (exit 2) are one line each."""
+    run = _seed_run(tmp_path, "origin_s1", "origin", "A", 1, 11.0, 4, 10)
+    _progress(run, [0.0, 0.35, 0.9, 0.85])
+    assert bar.main([str(run / "eval")]) == 0
+    assert capsys.readouterr().out == f"{run / 'eval'}: final 0.85 (below the bar 0.9), first at the bar at step 750\n"
+    (tmp_path / "binary").mkdir()
+    (tmp_path / "binary" / bar.PROGRESS_FILE).write_bytes(b"\x80\xff binary")
+    for args, needle in (([str(tmp_path)], "no passkey progress table"),
+                         ([str(tmp_path / "binary")], "is not a text file")):
+        assert bar.main(args) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    with pytest.raises(SystemExit) as usage:
+        bar.main(["--bogus", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert usage.value.code == 2 and len(err) == 1 and "unrecognized arguments: --bogus" in err[0]
+
+
 def test_bar_only_report_keeps_the_runs_past_the_bar_and_labels_itself_exploratory(tmp_path):
     """origin 5 seeds past the bar, coca seeds 1-4 past and seed 5 below: the full report lists the
     bar per design; --bar-only drops coca_s5 (5 vs 4 seeds) and titles its family section post hoc."""

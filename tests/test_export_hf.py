@@ -223,11 +223,13 @@ def _check_rope(config, model: GPT) -> None:
     s, p = model.cfg.rope_scaling, config.rope_parameters
     assert p["rope_type"] == {"none": "default", "ntk": "default"}.get(s.type, s.type)
     assert p["rope_theta"] == pytest.approx(model.rope.base_at(1) if s.type == "ntk" else model.cfg.rope_base)
-    if s.type in ("linear", "dynamic", "yarn"):
+    if s.type in ("linear", "dynamic", "yarn", "llama3"):
         assert p["factor"] == s.factor
     train_len = s.original_max_seq_len or model.cfg.max_seq_len
-    if s.type == "yarn":
+    if s.type in ("yarn", "llama3"):
         assert p["original_max_position_embeddings"] == train_len
+    if s.type == "llama3":
+        assert (p["low_freq_factor"], p["high_freq_factor"]) == (s.low_freq_factor, s.high_freq_factor)
     assert config.max_position_embeddings == (train_len if s.type == "dynamic" else model.cfg.max_seq_len)
 
 
@@ -241,7 +243,7 @@ def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
     idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
     rope = BY_LABEL[design].rope
     scalings = [("none", 1.0)] if not rope else [("none", 1.0), ("dynamic", 4.0), ("linear", 4.0),
-                                                            ("ntk", 4.0), ("yarn", 4.0)]
+                                                            ("ntk", 4.0), ("yarn", 4.0), ("llama3", 4.0)]
     with torch.no_grad():
         unscaled = model(idx)
     for kind, factor in scalings:
@@ -268,10 +270,10 @@ def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
 
 @pytest.mark.parametrize("variant, design", [("neox", "origin"), ("llama", "origin"), ("llama", "coca-slack"),
                                              ("llama-tied", "coca-strict")])
-@pytest.mark.parametrize("kind", ["dynamic", "yarn"])
+@pytest.mark.parametrize("kind", ["dynamic", "yarn", "llama3"])
 def test_scaling_from_an_original_length_is_where_transformers_reads_it(kind, variant, design, tokenizer, tmp_path):
     """A model continued past its pretraining length scales RoPE from that shorter length
-    (`rope_scaling.original_max_seq_len`): the export carries it (yarn's
+    (`rope_scaling.original_max_seq_len`): the export carries it (yarn's and llama3's
     original_max_position_embeddings, dynamic's max_position_embeddings) and gives our logits,
     which differ from those of a scaling from the training length. (Heads of 16 rotary dims or more:
     with 8, YaRN's ramp is the same from 16 tokens as from 32.)"""
@@ -451,6 +453,31 @@ def test_zero3_export_loads_without_this_project(zero3, tmp_path):
         "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors",
         "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json", *designs])
     assert _compare_outside_this_project(run, out, tmp_path) == "CocaLMForCausalLM"
+
+
+@pytest.mark.slow
+def test_zero3_export_eval_and_resume_say_only_their_own_lines(zero3, tmp_path):
+    """DeepSpeed's progress (the ZeRO-3 merge's prints and bars, its accelerator notice, torch's
+    deprecation warnings from its collectives) stays off a successful command's output."""
+    import shutil
+
+    run, _ = zero3
+    env = _env(tmp_path / "hf_home")
+    done = _ok(subprocess.run([sys.executable, "-m", "train.export_hf", f"run={run}", f"out={tmp_path / 'hf'}"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600))
+    assert done.stderr == "" and done.stdout.count("\n") == 1
+    done = _ok(subprocess.run([sys.executable, "-m", "eval", f"run={run}", "task=ppl", f"ppl.lengths=[{L0}]",
+                               "ppl.n_docs=1", "progress=false", "wandb.mode=disabled", f"out_dir={tmp_path / 'eval'}"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600))
+    assert done.stderr == "" and [line.split(":")[0] for line in done.stdout.splitlines()] == ["ppl", "markdown"]
+    shutil.copytree(run, tmp_path / "run")
+    resume = ["experiment=micro", "logger=none", "logger.progress=false", f"run_dir={tmp_path / 'run'}",
+              f"data.cache_dir={tmp_path / 'cache'}", "deepspeed=zero3", "model.attention=coca",
+              "model.coca_form=strict", "max_steps=8", "ckpt_every=8", "eval_every=8", "resume=auto"]
+    done = _ok(subprocess.run([sys.executable, "-m", "train", *resume], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600))
+    assert done.stdout == "" and done.stderr.splitlines()[0].startswith("resumed from"), done.stderr
+    assert [line.split(" ")[0] for line in done.stderr.splitlines()] == ["resumed", "step", "saved", "done:", "next:"]
 
 
 @pytest.mark.slow

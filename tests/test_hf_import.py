@@ -14,6 +14,7 @@ directory's model on the first blocks, a resumed run repeats an uninterrupted on
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import shutil
 import subprocess
@@ -99,9 +100,10 @@ def llama_dir(out: Path, sp: Tokenizer | None = None, vocab: int = 520, tied: bo
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ids = dict(bos_token_id=sp.bos_id, eos_token_id=sp.eos_id, pad_token_id=sp.pad_id) if sp else {}
+    config = {"max_position_embeddings": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+              **config}
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv,
-                      num_hidden_layers=2, intermediate_size=48, max_position_embeddings=64, rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=tied,
+                      num_hidden_layers=2, intermediate_size=48, rms_norm_eps=1e-5, tie_word_embeddings=tied,
                       **ids, **config)
     _randomised(LlamaForCausalLM(cfg), std).save_pretrained(out, max_shard_size="30KB" if shard else "10GB")
     if sp is not None:
@@ -190,6 +192,63 @@ def test_import_then_export_gives_back_the_same_tensors_and_logits(kind, tok, tm
     torch.testing.assert_close(hf_logits(out, idx), hf_logits(source, idx), rtol=0, atol=0)
 
 
+# Llama 3.1's RoPE at this head size (8 dims: wavelengths 6.3, 63, 628, 6283) from L0 = 64: one pair
+# kept (under 64 / 4), one on the ramp, two divided by the factor (over 64 / 1).
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def test_llama3_rope_directory_gives_llama_logits_and_exports_back(tok, tmp_path):
+    """A LlamaForCausalLM with Llama 3's RoPE scaling: ours equals transformers' in float64 at 4x its
+    original length, the scaling read into `rope_scaling` (type llama3, its bounds, L0); exported,
+    config.json carries the same `rope_parameters` and transformers' logits are ours again."""
+    from hf.export import export_hf
+
+    source = llama_dir(tmp_path / "src", tok, vocab=tok.vocab_size, max_position_embeddings=256,
+                       rope_parameters=LLAMA3)
+    idx = torch.randint(0, tok.vocab_size, (2, 256), generator=torch.Generator().manual_seed(3))
+    cfg, got = our_logits(source, idx)
+    s = cfg.rope_scaling
+    assert (cfg.max_seq_len, s.type, s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_seq_len) == \
+        (256, "llama3", 8.0, 1.0, 4.0, 64)
+    want = hf_logits(source, idx)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    unscaled = GPT(replace(cfg, rope_scaling=replace(s, type="none")))
+    unscaled.load_state_dict(import_hf(source)[1])
+    with torch.no_grad():
+        assert (unscaled.double().eval()(idx) - want).abs().max() > 1e-2  # the scaling changes the logits
+    model = GPT(cfg)
+    model.load_state_dict(import_hf(source)[1])
+    out = export_hf(model, tok, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"] == LLAMA3 and config["rope_scaling"] == LLAMA3
+    torch.testing.assert_close(hf_logits(out, idx), want, rtol=0, atol=0)
+
+
+def test_llama3_rope_frequencies_follow_their_definition():
+    """`designs.Rope` under llama3 against the definition in float64: kept below L0 / high,
+    divided by the factor above L0 / low, and (1 - s) f / factor + s f between, s linear in L0 / wavelength."""
+    from model.config import RopeScaling
+    from model.designs import Rope
+
+    r, base, l0, factor, low, high = 64, 5e5, 8192, 32.0, 1.0, 4.0
+    inv, scale = Rope(r, base, l0, RopeScaling("llama3", factor, low_freq_factor=low, high_freq_factor=high)
+                      ).inv_freq(100_000)
+    assert scale == 1.0
+    for j in range(r // 2):
+        f = base ** (-2 * j / r)
+        wavelength = 2 * math.pi / f
+        if wavelength < l0 / high:
+            want = f
+        elif wavelength > l0 / low:
+            want = f / factor
+        else:
+            smooth = (l0 / wavelength - low) / (high - low)
+            want = (1 - smooth) * f / factor + smooth * f
+        assert inv[j].item() == pytest.approx(want, rel=1e-12), j
+    assert (inv < base ** (-torch.arange(0, r, 2, dtype=torch.float64) / r)).sum() > 0
+
+
 def test_legacy_config_fields_read_as_the_new_ones(tmp_path):
     """A transformers-4 config.json (Pythia's on the hub: rotary_pct, rotary_emb_base, no
     rope_parameters) gives the same model config as transformers 5's."""
@@ -251,10 +310,12 @@ def test_scaled_rope_and_alibi_configs_map_onto_ours():
 
 REFUSALS = {  # config.json change -> what the one line names
     "model_type": ({"model_type": "mistral"}, "model_type=\"mistral\" is not supported"),
-    "llama3": ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
-                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                    "original_max_position_embeddings": 8192}},
-               "rope_parameters.rope_type=\"llama3\" is not supported"),
+    "longrope": ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0,
+                                      "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+                 "rope_parameters.rope_type=\"longrope\" is not supported"),
+    "llama3_extra": ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "mscale": 0.7,
+                                          "original_max_position_embeddings": 16}},
+                     "rope_parameters.mscale=0.7 is not supported"),
     "attention_bias": ({"attention_bias": True}, "attention_bias=true is not supported"),
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=true is not supported"),
     "hidden_act": ({"hidden_act": "gelu"}, "hidden_act=\"gelu\" is not supported: this llama model uses silu"),
@@ -432,7 +493,7 @@ def _train_main(*overrides: str) -> int:
     return main(["logger=none", *overrides])
 
 
-@pytest.mark.parametrize("case", ["model_type", "llama3", "attention_bias", "missing"])
+@pytest.mark.parametrize("case", ["model_type", "longrope", "attention_bias", "missing"])
 def test_train_refuses_an_unsupported_directory_in_one_line(llama_plain, tmp_path, capsys, case):
     bad = tmp_path / case
     shutil.copytree(llama_plain, bad)
@@ -454,6 +515,19 @@ def test_train_refuses_a_shape_override_that_disagrees_exit_2(llama_plain, tmp_p
     assert code == 2 and len(err) == 1, err
     assert err[0] == (f"error: model.n_head=8 disagrees with {llama_plain / 'config.json'}, whose weights fix "
                       "model.n_head=4: drop the override")
+
+
+def test_a_shape_change_through_init_from_exits_2_from_a_run_as_from_a_directory(micro_run, llama_plain, tmp_path,
+                                                                                 capsys):
+    """The same mistake, one exit status (errors.py: a value given that disagrees is usage): a run
+    checkpoint's shape, like a directory's, refused in one line before DeepSpeed starts."""
+    codes = [_train_main("experiment=micro", f"init_from={micro_run}", "model.n_layer=3",
+                         f"run_dir={tmp_path / 'from_run'}"),
+             _train_main(f"init_from={llama_plain}", "model.n_layer=3", f"run_dir={tmp_path / 'from_dir'}")]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert codes == [2, 2] and len(err) == 2, err
+    assert "has model.n_layer=1, this run has model.n_layer=3" in err[0] and "model.n_layer=3 disagrees" in err[1]
+    assert not (tmp_path / "from_run").exists() and not (tmp_path / "from_dir").exists()
 
 
 # ---- python -m train init_from=<dir>, resume, eval (subprocesses) -----------------------------------------
@@ -491,8 +565,13 @@ def test_train_from_a_directory_with_its_tokenizer_resumes_exactly_and_evaluates
     full, part = tmp_path / "full", tmp_path / "part"
     ok(train(full, cache, f"init_from={hf_model}", "max_steps=4"))
     ok(train(part, cache, f"init_from={hf_model}", "max_steps=2"))
+    stored = next(part / name for name in ("tokenizer.json", "tokenizer.model") if (part / name).is_file())
+    kept = stored.read_bytes()
+    stored.write_bytes(kept + b" ")  # edited by hand: the checkpoint's copy replaces it, and that is said
     resumed = ok(train(part, cache, "resume=auto", "max_steps=4"))
-    assert "resumed from" in resumed.stderr
+    assert "resumed from" in resumed.stderr and stored.read_bytes() == kept
+    assert f"warning: {stored} differs from the tokenizer this run trains with (its checkpoint's copy)" \
+        in resumed.stderr
     assert losses(part) == losses(full) and len(losses(full)) == 4
     before = {p: p.read_bytes() for p in part.rglob("*") if p.is_file()}
     refused = train(part, cache, "resume=auto", "max_steps=6", "model.n_layer=3")

@@ -55,8 +55,9 @@ def test_bad_config_names_the_field(overrides, words):
 
 @pytest.mark.parametrize(
     "kwargs, words",
-    [(dict(type="ntk2"), ["model.rope_scaling.type", "none, linear, ntk, dynamic, yarn"]),
-     (dict(type="ntk", factor=0.5), ["model.rope_scaling.factor", ">= 1"])],
+    [(dict(type="ntk2"), ["model.rope_scaling.type", "none, linear, ntk, dynamic, yarn, llama3"]),
+     (dict(type="ntk", factor=0.5), ["model.rope_scaling.factor", ">= 1"]),
+     (dict(type="llama3", low_freq_factor=4.0, high_freq_factor=1.0), ["high_freq_factor > low_freq_factor > 0"])],
 )
 def test_bad_rope_scaling(kwargs, words):
     with pytest.raises(ValueError) as err:

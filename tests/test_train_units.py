@@ -240,13 +240,25 @@ def test_read_only_run_dir_and_parent_are_one_line(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("preset", ["extend_pi", "extend_abf", "extend_yarn", "dropin_coca", "continue_origin"])
+def test_continuation_presets_refuse_to_start_without_init_from_or_resume(preset, capsys):
+    """Without a trained model to continue, these presets would silently train a new one from scratch."""
+    from train.__main__ import main
+
+    assert main([f"experiment={preset}", "logger=none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {preset} continues a trained model: give init_from=<run, checkpoint or Hugging Face "
+                   "directory> (or resume=auto to continue this run)"]
+    assert _cfg(f"experiment={preset}", "resume=auto").continues
+
+
 @pytest.mark.parametrize("preset, base, scaling", [("extend_pi", 10000.0, ("linear", 4.0, 256)),
                                                    ("extend_yarn", 10000.0, ("yarn", 4.0, 256)),
                                                    ("extend_abf", 500000.0, ("none", 1.0, None))])
 def test_extension_presets_continue_the_study_model_at_1024(preset, base, scaling):
     """The extend_* presets: the study model's shape at 1024 tokens, one RoPE recipe each, the
     study's tokens per step, a short re-warmup."""
-    study, cfg = _cfg("experiment=study_origin"), _cfg(f"experiment={preset}")
+    study, cfg = _cfg("experiment=study_origin"), _cfg(f"experiment={preset}", "init_from=runs/study/origin_s1")
     s = cfg.model.rope_scaling
     assert (cfg.model.max_seq_len, cfg.model.rope_base) == (1024, base)
     assert (s.type, s.factor, s.original_max_seq_len) == scaling

@@ -6,7 +6,7 @@ input (a missing or bad checkpoint or corpus file, and a non-finite loss with no
 2 bad usage (a bad key or value, a batch that does not split over the ranks), 128 + signal
 (143 SIGTERM, 130 SIGINT) after a signal: every rank finishes its step and the checkpoint of that
 step is complete on disk (a signal before training starts ends the process without one: there
-is nothing new to save).
+is nothing new to save). Under a launcher an error is said by rank 0 alone (`_say_once`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 
 from omegaconf import OmegaConf
@@ -53,6 +54,22 @@ def check_world_size(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(str(error)) from None
 
 
+RANK0_FIRST_S = 10.0  # how long another rank leaves rank 0 to say an error it met too
+
+
+def _say_once(error: BaseException, code: int, *, shared: bool) -> int:
+    """Report `error` under a launcher with rank 0's voice alone: rank 0 says it; any other rank
+    first waits RANK0_FIRST_S for rank 0 to end the job (the launcher then stops this rank), and
+    says it itself, prefixed with its rank, only if it is still running and the error may be its own
+    (not `shared`: a verdict on the configuration, which every rank reaches alike)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        return report_error(error, code)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's stop ends the wait, silently
+    time.sleep(RANK0_FIRST_S)
+    return code if shared else report_error(error, code, prefix=f"[rank {rank}] ")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = strip_local_rank(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in argv):
@@ -73,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         preflight(cfg)
     except (UserError, FileNotFoundError, ValueError) as error:
-        code = exit_code(error)
-        # the same verdict on every rank, said once
-        return report_error(error, code) if int(os.environ.get("RANK", "0")) == 0 else code
+        return _say_once(error, exit_code(error), shared=True)  # every rank makes the same checks
 
     import torch
 
@@ -95,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRAIN_TRACEBACK"):
             traceback.print_exc()
         code = EXIT_INPUT if isinstance(error, NonFiniteLossError) else exit_code(error)
-        if isinstance(error, ConfigError):  # a verdict on the configuration, the same on every rank
-            return report_error(error, code) if dist.is_main() else code
-        return report_error(error, code, prefix=f"[rank {dist.rank()}] " if dist.world_size() > 1 else "")
+        return _say_once(error, code, shared=isinstance(error, ConfigError))
     finally:
         dist.destroy()
 

@@ -30,7 +30,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from errors import UserError, first_line
+from errors import EXIT_USAGE, UserError, first_line
 from hf.imports import HFModel, is_hf_dir
 from hf.imports import read as read_hf
 from model.config import ModelConfig
@@ -49,6 +49,13 @@ _MODEL_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
 class CheckpointError(UserError):
     """A missing, incomplete, corrupt or mismatched checkpoint (one-line message)."""
+
+
+class ShapeError(CheckpointError):
+    """The run's model shape is not the checkpoint's: the shape given is wrong (exit 2, as a shape
+    override that disagrees with a Hugging Face directory or a conversion's source)."""
+
+    exit_code = EXIT_USAGE
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -318,7 +325,7 @@ def check_compatible(ckpt: Path, model_cfg) -> None:
             old = saved.model.get("n_head") if old is None else old
             new = model_cfg.kv_heads
         if old != new:
-            raise CheckpointError(
+            raise ShapeError(
                 f"checkpoint {ckpt} has model.{name}={old}, this run has model.{name}={new}: "
                 "the model shape must match the checkpoint"
             )

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from data.cli import compose_tree, validated
+from data.cli import booleans_only, compose_tree, validated
 from data.config import DataConfig
 from errors import ConfigError
 from model.config import FLAVORS, ModelConfig, flavor
@@ -156,6 +156,9 @@ class TrainConfig:
     nonfinite: stop (exit with an error) or skip (drop the batch) on a non-finite loss.
     compile: torch.compile each transformer block (fuses its element-wise work; the first steps
         take longer while it compiles). Parameter names and checkpoints are unchanged.
+    continues: set by the presets that continue a trained model (extend_*, dropin_coca,
+        continue_origin): without init_from or resume such a run would train a new model from
+        scratch, so it is refused.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -179,6 +182,7 @@ class TrainConfig:
     t_init: str = "from_k"
     nonfinite: str = "stop"
     compile: bool = False
+    continues: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "micro_batch_size", "max_steps", "eval_every", "eval_batches",
@@ -192,6 +196,9 @@ class TrainConfig:
         _one_of("t_init", self.t_init, T_INITS)
         if self.resume is not None and self.init_from is not None:
             raise ValueError("resume and init_from are exclusive: resume continues a run, init_from starts one")
+        if self.continues and self.resume is None and self.init_from is None:
+            raise ValueError(f"{self.name} continues a trained model: give init_from=<run, checkpoint or Hugging "
+                             "Face directory> (or resume=auto to continue this run)")
 
     def grad_accum(self, world_size: int) -> int:
         """Micro-batches per optimizer step on each rank, for this world size."""
@@ -241,7 +248,9 @@ def register_configs() -> None:
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema."""
+    """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema
+    (a boolean takes only true or false: `data.cli.booleans_only`)."""
+    booleans_only(TrainConfig, overrides)
     return compose_tree("config", overrides, register_configs, job_name="train")
 
 

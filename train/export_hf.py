@@ -18,7 +18,6 @@ missing run, a bad checkpoint, a tokenizer the export cannot express).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from train.checkpoint import MARKER, find_checkpoint
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "deepspeed.json")  # beside config.yaml: a run directory
 USAGE = ("usage: python -m train.export_hf run=<run dir or checkpoint> out=<dir> "
-         "[rope_scaling=none|linear:F|ntk:F|dynamic:F|yarn:F] [overwrite=true]")
+         "[rope_scaling=none|linear:F|ntk:F|dynamic:F|yarn:F|llama3:F] [overwrite=true]")
 
 
 def training_files(path: Path) -> str | None:
@@ -83,7 +82,7 @@ def _parse_args(argv: list[str]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 with the directory written, else 1 or 2 (the module's docstring) with one `error:` line."""
-    from train.load import TOKENIZER_FILE, load_model
+    from train.load import checkpoint_tokenizer, load_model
 
     try:
         args = _parse_args(sys.argv[1:] if argv is None else argv)
@@ -94,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         check_outside_runs(out, run)
         check_out(out, overwrite)
         ckpt = find_checkpoint(run)
-        refusal = tokenizer_refusal(Tokenizer(ckpt / TOKENIZER_FILE))
+        stored = checkpoint_tokenizer(ckpt)
+        refusal = tokenizer_refusal(stored) if isinstance(stored, Tokenizer) else None
         if refusal:
             raise UserError(refusal)
-        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's merge prints progress to stdout
-            model, _, tokenizer = load_model(str(ckpt))
+        model, _, tokenizer = load_model(str(ckpt))  # DeepSpeed's merge is quiet (train.load)
         if scaling is not None:
             model.set_rope_scaling(scaling.type, scaling.factor)
         export_hf(model, tokenizer, out, overwrite=overwrite, checkpoint=ckpt)

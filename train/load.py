@@ -11,6 +11,12 @@ so the device check and the messages for a corrupt checkpoint live here, written
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,9 +31,12 @@ TOKENIZER_FILE = SP_TOKENIZER_FILE  # a SentencePiece run's tokenizer in its che
 
 
 def check_device(device: str) -> None:
-    """A CUDA device that this machine has (else a one-line `ValueError`, before anything loads)."""
-    if not device.startswith("cuda"):
+    """`cpu`, or a CUDA device that this machine has (else a one-line `ValueError`, before anything
+    loads): the one check of every command that takes `device=` (eval, generate)."""
+    if device == "cpu":
         return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"device={device!r} is not one of cpu, cuda, cuda:N")
     if not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but this machine has no CUDA device (torch.cuda.is_available() "
                          "is False); use device=cpu")
@@ -58,13 +67,32 @@ def _reworded(error: CheckpointError, ckpt: Path) -> CheckpointError:
     return CheckpointError(str(error).removesuffix(older_hint(ckpt)) + sound_older(ckpt))
 
 
+@contextlib.contextmanager
+def deepspeed_quiet() -> Iterator[None]:
+    """DeepSpeed's progress (its merge's prints and bars, its accelerator notice) kept off the
+    command's output: a successful command says only its own result, a failed one its error line.
+    DeepSpeed is imported here first, so that its logger is not bound to the silenced stream."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # said, instead of DeepSpeed's detection warning
+    import deepspeed  # noqa: F401
+
+    level = logging.getLogger("DeepSpeed").level
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.getLogger("DeepSpeed").setLevel(level)
+
+
 def fp32_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 model state of a complete checkpoint directory."""
+    """The full fp32 model state of a complete checkpoint directory (DeepSpeed's merge quiet)."""
     try:
         if any(ckpt.glob("*zero_pp_rank_*_optim_states.pt")):
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            with deepspeed_quiet():
+                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+                state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
         else:
             state = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     except Exception as error:  # noqa: BLE001 - torch/DeepSpeed raise many types for a bad file

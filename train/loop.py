@@ -28,6 +28,8 @@ def run(cfg: TrainConfig) -> int:
     stop = StopRequest()  # first: a signal during a long setup is not fatal
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata on torch 2.13
+    # DeepSpeed's ZeRO-3 calls collectives torch 2.13 deprecates: its business, not the run's output
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     started, complete = time.perf_counter(), complete_checkpoint(cfg)
     if complete is not None:
         if dist.is_main():

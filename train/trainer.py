@@ -333,8 +333,9 @@ def _initial_state(cfg: TrainConfig, checked: _Checked) -> dict[str, torch.Tenso
 
 def _write_run_files(cfg: TrainConfig, checked: _Checked) -> dict[str, bytes]:
     """`config.yaml`, `deepspeed.json`, the tokenizer's files and, for a run from a model source,
-    `hf_origin.json` into the run directory (rank 0); returns the files every checkpoint carries
-    (all of them but deepspeed.json)."""
+    `hf_origin.json` into the run directory (rank 0), saying so when a tokenizer file there is
+    replaced (a resumed run's, edited by hand); returns the files every checkpoint carries (all of
+    them but deepspeed.json)."""
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     files = {"config.yaml": config_yaml.encode(), **checked.tokenizer.files()}
     if checked.source is not None:
@@ -342,6 +343,12 @@ def _write_run_files(cfg: TrainConfig, checked: _Checked) -> dict[str, bytes]:
     if dist.is_main():
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        edited = [name for name in checked.tokenizer.files()
+                  if (run_dir / name).is_file() and (run_dir / name).read_bytes() != files[name]]
+        if edited:
+            trained = "its checkpoint's copy" if checked.resume_from else "the one it loaded"
+            print(f"warning: {run_dir / edited[0]} differs from the tokenizer this run trains with ({trained}): "
+                  "replaced by it", file=sys.stderr)
         for name, content in files.items():
             (run_dir / name).write_bytes(content)
         (run_dir / "deepspeed.json").write_text(json.dumps(deepspeed_config(cfg, dist.world_size()), indent=2))

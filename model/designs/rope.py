@@ -22,19 +22,22 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [..., T, r]
 
 class Scaling(Protocol):
     """A RoPE scaling (`model.config.RopeScaling`; the exported model builds its own from
-    `rope_parameters`): type none | linear | ntk | dynamic | yarn, its factor and YaRN's betas."""
+    `rope_parameters`): type none | linear | ntk | dynamic | yarn | llama3, its factor, YaRN's betas
+    and Llama 3's frequency bounds."""
 
     type: str
     factor: float
     beta_fast: float
     beta_slow: float
+    low_freq_factor: float
+    high_freq_factor: float
 
 
 # ---- RoPE ------------------------------------------------------------------------------------------
 
 
 class Rope:
-    """Computes cos/sin tables for given positions under a scaling (none|linear|ntk|dynamic|yarn).
+    """Computes cos/sin tables for given positions under a scaling (none|linear|ntk|dynamic|yarn|llama3).
 
     pairs: how many pairs rotate, the highest frequencies (j = 0, 1, ...) first; the others get
     frequency 0, so they pass through (p-RoPE). None: every pair rotates.
@@ -70,7 +73,21 @@ class Rope:
             return inv / s.factor, 1.0
         if s.type == "yarn":
             return self._yarn(inv), (0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0)
+        if s.type == "llama3":
+            return self._llama3(inv), 1.0
         return inv, 1.0
+
+    def _llama3(self, inv: torch.Tensor) -> torch.Tensor:
+        """Llama 3.1's scaling (transformers' `_compute_llama3_parameters`): a pair whose wavelength
+        exceeds L0 / low_freq_factor turns `factor` times slower, one under L0 / high_freq_factor is
+        kept, and between them the frequency ramps linearly in L0 / wavelength."""
+        s, l0 = self.scaling, self.train_len
+        wavelength = 2 * math.pi / inv
+        smooth = (l0 / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        ramped = (1.0 - smooth) * inv / s.factor + smooth * inv
+        slow = torch.where(wavelength > l0 / s.low_freq_factor, inv / s.factor, inv)
+        medium = (wavelength >= l0 / s.high_freq_factor) & (wavelength <= l0 / s.low_freq_factor)
+        return torch.where(medium, ramped, slow)
 
     def _yarn(self, inv: torch.Tensor) -> torch.Tensor:
         """YaRN (Peng et al. 2023): interpolate slow pairs, keep fast ones, ramp in between."""

@@ -12,7 +12,8 @@ import pytest
 
 from eval.plots import DESIGN_COLORS, design_of
 from model import GPT, ModelConfig
-from model.designs import ATTENTIONS, BY_LABEL, DESIGNS, design_of as registry_design_of
+from model.designs import ATTENTIONS, BY_LABEL, DESIGNS
+from model.designs import design_of as registry_design_of
 
 PACKAGE = Path(__file__).resolve().parents[1] / "model" / "designs"
 

@@ -26,8 +26,8 @@ from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
 from hf.export import ExportError, export_hf
 from model import GPT, ModelConfig
-from model.designs import BY_LABEL
 from model.config import RopeScaling
+from model.designs import BY_LABEL
 from run_checks import clean_env
 from train.export_hf import main as export_main
 from train.load import load_model

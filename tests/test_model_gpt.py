@@ -139,12 +139,16 @@ def test_capture_qk_gives_the_layer_scores(attention, form, arch):
     idx = tokens(1, 12, seed=6)
     captured = model.capture_qk(idx)
     assert len(captured) == model.cfg.n_layer
-    q_eff, k_eff, slopes = captured[1]
-    assert (slopes is None) == (attention != "alibi") and q_eff.shape == (1, 2, 12, 8)
+    q_eff, k_eff, bias = captured[1]
+    assert (bias is None) == (attention != "alibi") and q_eff.shape == (1, 2, 12, 8)
     m = torch.arange(12)
     scores = q_eff @ k_eff.transpose(-1, -2) / math.sqrt(8)
-    if slopes is not None:
-        scores = scores - slopes.double()[:, None, None] * (m[:, None] - m[None, :])
+    if bias is not None:  # ALiBi's slopes for 2 heads: 2^-4, 2^-8
+        slopes = torch.tensor([2.0**-4, 2.0**-8], dtype=torch.float64)
+        scores = scores - slopes[:, None, None] * (m[:, None] - m[None, :])
+        seen_bias = bias.scores(0, 12, q_eff.device)[None] + q_eff @ k_eff.transpose(-1, -2) / math.sqrt(8)
+        causal = m[:, None] >= m[None, :]
+        torch.testing.assert_close(seen_bias[..., causal], scores[..., causal], rtol=0, atol=1e-12)
     scores = scores.masked_fill(m[:, None] < m[None, :], float("-inf"))
     attn = model.h[1].attn
     if arch == "neox":

@@ -38,8 +38,8 @@ class FireBias(ScoreBias):
         self.n_head = n_head
         self.mlp_in = nn.Linear(1, WIDTH)
         self.mlp_out = nn.Linear(WIDTH, n_head)
-        self.c = nn.Parameter(torch.empty(()))
-        self.l_multiplier = nn.Parameter(torch.empty(()))
+        self.c = nn.Parameter(torch.empty(1))  # 1-d: ZeRO and the checkpoints flatten parameters
+        self.l_multiplier = nn.Parameter(torch.empty(1))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -50,7 +50,7 @@ class FireBias(ScoreBias):
             self.l_multiplier.fill_(1.0)
 
     def tensors(self, heads: slice, device) -> tuple[torch.Tensor, ...]:
-        return (wide(self.c), (wide(self.l_multiplier) * INIT_L).abs(), wide(self.mlp_in.weight[:, 0]),
+        return (wide(self.c[0]), (wide(self.l_multiplier[0]) * INIT_L).abs(), wide(self.mlp_in.weight[:, 0]),
                 wide(self.mlp_in.bias), wide(self.mlp_out.weight[heads]), wide(self.mlp_out.bias[heads]))
 
     @staticmethod

@@ -72,7 +72,7 @@ def materialised_bytes(variant: str, n: int, args) -> int:
     per_score = args.batch * args.heads * n * n
     if variant == RELEASED:
         return per_score * (3 * 4 + 1)  # scores, where, softmax (kept for backward) + mask
-    if design(variant).slopes is not None and args.device == "cpu" and args.mode == "train":
+    if design(variant).bias is not None and args.device == "cpu" and args.mode == "train":
         return per_score * 4 * 2  # CPU fallback: additive bias chunks kept for backward
     return 0
 
@@ -114,7 +114,7 @@ def peak_memory(variant: str, n: int, args) -> int:
     # CPU, in a fresh worker process: warm up the same code on small inputs first (library start-up
     # buffers; for a bias design in eval mode, compiling FlexAttention for static and then dynamic
     # shapes), then reset the kernel's peak-RSS mark (VmHWM) and read its growth over one full-size run.
-    biased = design(variant).slopes is not None
+    biased = design(variant).bias is not None
     warm_lengths = (64, 1024, 2048) if biased and args.mode == "eval" else (64,)
     for warm in warm_lengths:
         make_step(variant, warm, args)()

@@ -18,7 +18,8 @@
 #   resume        a new run from that step-20 checkpoint (deepspeed launcher, ZeRO 3): its first
 #                 step must be 21 and its loss the uninterrupted run's (relative 2e-3 in bf16)
 #   bench_train   python -m bench.train: ours vs HF GPT-NeoX at 125m (vocabulary 50304), 350m MFU
-#   bench_attention  python -m bench.attention at 2K, 8K, 16K tokens
+#   bench_attention  python -m bench.attention at 2K, 8K, 16K tokens, every design of the registry
+#                 (the bias designs ALiBi, KERPLE, FIRE, FoX on FlexAttention with captured parameters)
 #   bench_doc_mask   python -m bench.doc_mask: document-masked vs unmasked attention at 2K and 8K
 #   bench_train_compiled  the same as bench_train with our blocks compiled, if time is left
 # tokens/s and MFU are the medians of the trainer's own per-step metrics after step 5; peak memory

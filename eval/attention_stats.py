@@ -2,9 +2,10 @@
 
 The seed article (Figure 11) shows that Origin's scores at ~4x the training length have outliers
 10-20x larger than CoCA's and almost no attention on nearby tokens in the last layer. Here, from a
-layer's `q_eff`, `k_eff` (and a distance bias's slopes, ALiBi's) as returned by `GPT.capture_qk`, the causal scores
+layer's `q_eff`, `k_eff` (and a design's score bias, e.g. ALiBi's, KERPLE's, FIRE's, FoX's) as
+returned by `GPT.capture_qk`, the causal scores
 
-    s(h, m, n) = q_eff[h, m] . k_eff[h, n] / sqrt(D) - slope_h * (m - n),   n <= m
+    s(h, m, n) = q_eff[h, m] . k_eff[h, n] / sqrt(D) + b_h(m, n),   n <= m
 
 are computed for a chunk of queries at a time (memory chunk x T per head), and summarised:
 - `max_score`, `min_score`, `mean_score`, `std_score` over all valid scores;
@@ -24,10 +25,15 @@ from typing import Protocol
 import torch
 
 
+class ScoreBias(Protocol):
+    def scores(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+        """b_h(m, n) of batch row 0's queries start..end-1 over keys 0..end-1: [H, rows, end]."""
+
+
 class AttentionInputs(Protocol):
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D]
-    slopes: torch.Tensor | None  # [H]: a distance bias -slope_h (m - n) (ALiBi's), or None
+    bias: ScoreBias | None  # the design's score bias (`model.attention.LayerBias`), or None
     window: int  # a sliding window's keys: only m - n < window are scores (0: every n <= m)
 
 
@@ -38,8 +44,8 @@ def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Te
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     m = torch.arange(start, end, device=q.device)[:, None]
     n = torch.arange(end, device=q.device)[None, :]
-    if layer.slopes is not None:
-        scores = scores - layer.slopes.float().to(q.device)[:, None, None] * (m - n)
+    if layer.bias is not None:
+        scores = scores + layer.bias.scores(start, end, q.device).float()
     valid = (n <= m) & (m - n < layer.window) if layer.window else n <= m
     return scores, valid.expand_as(scores)
 

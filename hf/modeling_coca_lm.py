@@ -5,9 +5,11 @@ It imports only `torch`, `transformers` and coca-lm's own design package (`model
 and its scalings, the registry, each design's q/k transform and bias), whose files the export
 writes beside it, so the exported model runs the training code's math, not a copy, and a user
 needs neither this project nor its config tree. Each layer computes q_eff, k_eff = design.qk(q, k,
-rope) and softmax(q_eff k_eff^T / sqrt(D) [- slope_h (m - n)]) v; e.g.
+rope) and softmax(q_eff k_eff^T / sqrt(D) [+ b_h(m, n)]) v, with the design's score bias module
+(the training code's class, under `score_bias` in each attention layer); e.g.
 
     alibi        scores = q k^T / sqrt(D) - slope_h * (m - n)
+    kerple       scores = q k^T / sqrt(D) - r1_h * log(1 + r2_h * (m - n))
     coca slack   q_eff = q * rope(q, m)              k_eff = rope(t, n)
     coca strict  q_eff = rope([|q_j|^2, 0], m)       k_eff = rope([t_j, 0], n)
 
@@ -20,10 +22,11 @@ LlamaForCausalLM), so an export's weights carry GPT-NeoX's or Llama's names:
     llama  RMSNorm    SwiGLU: down(silu(gate) * up)   q, k, v, o; k and v of num_key_value_heads heads
 
 (grouped-query attention: query head h uses key/value head h // (heads / kv heads), as Llama's).
-Attention runs on `scaled_dot_product_attention` (a design with a distance bias: over chunks of
-query rows with an additive bias, so memory stays linear in the length). The KV cache holds k_eff
-and v; under dynamic NTK, `generate` rebuilds it when the base changes (every cached key depends on
-the base), as coca-lm's own `generate` does.
+Attention runs on `scaled_dot_product_attention` (a design with a score bias: over chunks of query
+rows with an additive bias, so memory stays linear in the length; positions count from the first
+token, padding included). The KV cache holds k_eff and v (and a gated bias's per-token terms, FoX's
+log forget gates, beside them on the cache object); under dynamic NTK, `generate` rebuilds it when
+the base changes (every cached key depends on the base), as coca-lm's own `generate` does.
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ try:
 except ImportError:  # transformers < 5
     from transformers import PretrainedConfig as PreTrainedConfig
 
-from .base import distance_bias
+from .base import ScoreBias
 from .registry import design_of
 from .rope import Rope
 from .temperature import length_temperature
 
-BIAS_CHUNK = 256  # query rows per chunk of a distance bias [H, rows, keys]
+BIAS_CHUNK = 256  # query rows per chunk of a score bias [H, rows, keys]
 # The output's cache field: `cache` from transformers 5.2x on, `past_key_values` before.
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
 
@@ -211,13 +214,13 @@ def _with_keys(mask: torch.Tensor, key_mask: torch.Tensor, first: int) -> torch.
     return (mask & key_mask[:, None, None, :]) | own
 
 
-def bias_sdpa(q, k, v, key_mask: torch.Tensor | None, slopes: torch.Tensor) -> torch.Tensor:
-    """SDPA over chunks of query rows with the additive distance bias -slope_h (m - n) (slopes [H],
-    float64); masked keys get the dtype's most negative finite value (never -inf, which has
-    produced NaN in CPU SDPA)."""
+def bias_sdpa(q, k, v, key_mask: torch.Tensor | None, bias: ScoreBias, terms: torch.Tensor | None) -> torch.Tensor:
+    """SDPA over chunks of query rows with the additive bias b_h(m, n) of the layer's `bias` module
+    (and the prefix sums of a gated bias's per-token `terms` [B, H, Tk], in float64); masked keys get
+    the dtype's most negative finite value (never -inf, which has produced NaN in CPU SDPA)."""
     tq, tk = q.shape[-2], k.shape[-2]
-    slopes = slopes.to(q.device)[:, None, None]
     offset = tk - tq
+    prefix = None if terms is None else terms.to(torch.float64).cumsum(dim=-1)
     out = []
     for start in range(0, tq, BIAS_CHUNK):
         end = min(tq, start + BIAS_CHUNK)
@@ -226,9 +229,13 @@ def bias_sdpa(q, k, v, key_mask: torch.Tensor | None, slopes: torch.Tensor) -> t
         allowed = n <= m
         if key_mask is not None:
             allowed = _with_keys(allowed, key_mask[:, : offset + end], offset + start)
-        bias = distance_bias(slopes, m, n, allowed, q.dtype)
+        gap = None
+        if prefix is not None:
+            gap = prefix[..., offset + start : offset + end, None] - prefix[..., None, : offset + end]
+        scores = bias.rows(slice(None), m, torch.minimum(n, m), gap).to(q.dtype)
+        scores = scores.masked_fill(~allowed, torch.finfo(q.dtype).min)
         out.append(F.scaled_dot_product_attention(q[..., start:end, :], k[..., : offset + end, :],
-                                                  v[..., : offset + end, :], attn_mask=bias, enable_gqa=_gqa(q, k)))
+                                                  v[..., : offset + end, :], attn_mask=scores, enable_gqa=_gqa(q, k)))
     return torch.cat(out, dim=-2)
 
 
@@ -255,6 +262,8 @@ class CocaLMAttention(nn.Module):
             self.k_proj = nn.Linear(width, kv, bias=False)
             self.v_proj = nn.Linear(width, kv, bias=False)
             self.o_proj = nn.Linear(width, width, bias=False)
+        bias = self.design.bias
+        self.score_bias = bias(config.num_attention_heads, config.hidden_size) if bias else None
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D]; k (CoCA's t) and v [B, num_key_value_heads, T, D]."""
@@ -271,13 +280,28 @@ class CocaLMAttention(nn.Module):
         q, k = self.design.qk(q, k, rope)
         if q_scale is not None:
             q = q * q_scale
+        bias = self.score_bias
+        terms = bias.terms(x) if bias is not None and bias.gated else None
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        slopes = self.design.slopes
-        y = (causal_sdpa(q, k, v, key_mask, self.design.window) if slopes is None
-             else bias_sdpa(q, k, v, key_mask, slopes(self.n_head)))
+            if terms is not None:
+                terms = _cached_terms(cache, self.layer_idx, terms)
+        y = (causal_sdpa(q, k, v, key_mask, self.design.window) if bias is None
+             else bias_sdpa(q, k, v, key_mask, bias, terms))
         out = self.dense if self.fused else self.o_proj
         return out(y.transpose(1, 2).reshape(B, T, C))
+
+
+def _cached_terms(cache: Cache, layer: int, terms: torch.Tensor) -> torch.Tensor:
+    """A gated bias's per-token terms of every cached token, these appended: kept on the cache
+    object beside its keys and values (per layer), cut to the cache's length first."""
+    store = cache.__dict__.setdefault("coca_lm_terms", {})
+    past = store.get(layer)
+    keep = cache.get_seq_length(layer) - terms.shape[-1]
+    if past is not None and keep > 0:
+        terms = torch.cat((past[..., :keep], terms), dim=-1)
+    store[layer] = terms
+    return terms
 
 
 # ---- block -----------------------------------------------------------------------------------------
@@ -361,6 +385,8 @@ class CocaLMPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
         if isinstance(module, nn.LayerNorm):
             nn.init.zeros_(module.bias)
+        if isinstance(module, ScoreBias):
+            module.reset_parameters()
 
 
 class CocaLMModel(CocaLMPreTrainedModel):

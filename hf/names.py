@@ -18,6 +18,15 @@ _LAYER = {  # ours (inside block i) -> theirs (inside gpt_neox.layers.i)
 }
 
 
+def _score_bias(cfg: ModelConfig, attention: str) -> dict[str, str]:
+    """A design's score-bias parameters (`attn.score_bias.*`: KERPLE's r1, r2, FIRE's MLP, FoX's
+    gate), under the same names inside the HF layer's attention (`attention`, `self_attn`)."""
+    if cfg.design.bias is None:
+        return {}
+    module = cfg.design.bias(cfg.n_head, cfg.n_embd)
+    return {f"attn.score_bias.{name}": f"{attention}.score_bias.{name}" for name, _ in module.named_parameters()}
+
+
 def hf_names(cfg: ModelConfig) -> dict[str, str]:
     """Our state-dict name -> GPT-NeoX's, for every parameter of a model of `cfg` (the LM head
     only when untied: tied, it is the embedding). Invert it to read a GPT-NeoX state dict."""
@@ -29,6 +38,8 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
         for ours, theirs in _LAYER.items():
             for p in ("weight", "bias"):
                 names[f"h.{i}.{ours}.{p}"] = f"gpt_neox.layers.{i}.{theirs}.{p}"
+        for ours, theirs in _score_bias(cfg, "attention").items():
+            names[f"h.{i}.{ours}"] = f"gpt_neox.layers.{i}.{theirs}"
     return names
 
 
@@ -55,6 +66,8 @@ def llama_hf_names(cfg: ModelConfig) -> dict[str, str]:
     for i in range(cfg.n_layer):
         for ours, theirs in _LLAMA_LAYER.items():
             names[f"h.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+        for ours, theirs in _score_bias(cfg, "self_attn").items():
+            names[f"h.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return names
 
 

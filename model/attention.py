@@ -1,19 +1,21 @@
-"""Causal self-attention: each design is a q/k transform (and optionally a distance bias) before one
+"""Causal self-attention: each design is a q/k transform (and optionally a score bias) before one
 shared kernel. The designs, their math and their records live in `model.designs` (the registry):
 
     origin       q_eff = rope(q, m)              k_eff = rope(k, n)
     coca slack   q_eff = q * rope(q, m)          k_eff = rope(t, n)          (the released code)
     coca strict  q_eff = rope([|q_j|^2, 0], m)   k_eff = rope([t_j, 0], n)   (paper Eq. 9, exact)
     alibi        q_eff = q                       k_eff = k, plus bias -slope_h * (m - n)
+    kerple, fire, fox: q and k as they are, plus a learned bias b_h(m, n) (`model.designs`)
 
-Scores are q_eff . k_eff / sqrt(head_dim) under the causal mask (with document masking, also only
-within the query's document: `model.documents`). With grouped-query attention (arch=llama,
-n_kv_head < n_head) k (CoCA's t) and v have n_kv_head heads, each shared by n_head / n_kv_head
-consecutive query heads (Llama's layout: query head h uses kv head h // group); every kernel takes
-them so (`enable_gqa`), and the KV cache stores only those heads. Designs without a bias run on
-`scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient kernels: no N x N score
-matrix); a design with slopes runs on FlexAttention with a score modification where it can (see
-`bias_attention`), else on SDPA over chunks of query rows with an additive bias.
+Scores are q_eff . k_eff / sqrt(head_dim) [+ b_h(m, n)] under the causal mask (with document
+masking, also only within the query's document: `model.documents`). With grouped-query attention
+(arch=llama, n_kv_head < n_head) k (CoCA's t) and v have n_kv_head heads, each shared by
+n_head / n_kv_head consecutive query heads (Llama's layout: query head h uses kv head h // group);
+every kernel takes them so (`enable_gqa`), and the KV cache stores only those heads. Designs
+without a bias run on `scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient
+kernels: no N x N score matrix); a design with a bias (`Design.bias`, one `ScoreBias` module per
+layer) runs on the one score-bias path: FlexAttention with a score modification where it can (see
+`bias_attention`), else SDPA over chunks of query rows with an additive bias computed per chunk.
 
 This module holds the kernels and the layer; it names no design.
 """
@@ -21,7 +23,7 @@ This module holds the kernels and the layer; it names no design.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -31,10 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 from .designs import RopeTables
-from .designs.base import distance_bias
+from .designs.base import ScoreBias
 from .documents import Documents, causal_segments, segment_attention
-
-Slopes = Callable[[int], torch.Tensor]  # n_head -> [H] float64: a design's distance-bias slopes
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
 # ~30 s once per process plus a few seconds per new length; below this query length the chunked
@@ -44,13 +44,49 @@ CPU_FLEX_MIN_LEN = 1024
 BIAS_CHUNK = 256
 
 
+@dataclass(frozen=True)
+class LayerBias:
+    """A layer's score bias bound to one forward: the module, the per-token terms of its keys
+    (a gated bias's, e.g. FoX's log forget gates [B, H, Tk]; None otherwise), the position of key
+    0 (`start`: a document piece's offset in its row where positions do not restart) and the query
+    heads served."""
+
+    module: ScoreBias
+    terms: torch.Tensor | None = None
+    start: int = 0
+    heads: slice = field(default_factory=lambda: slice(None))
+
+    def prefix(self) -> torch.Tensor | None:
+        """F [B, H, Tk]: the running sums of the terms, in float64 (exact differences F_m - F_n)."""
+        return None if self.terms is None else self.terms.to(torch.float64).cumsum(dim=-1)
+
+    def rows(self, first: int, rows: int, keys: int, prefix: torch.Tensor | None,
+             device: torch.device) -> torch.Tensor:
+        """b_h(m, n) of queries first..first+rows-1 over keys 0..keys-1 (indices; positions add
+        `start`): [B, H, rows, keys], or [H, rows, keys] for a bias that is the same in every row."""
+        m = torch.arange(first, first + rows, device=device)[:, None] + self.start
+        n = torch.arange(keys, device=device)[None, :] + self.start
+        n = torch.minimum(n, m)  # masked pairs (n > m) read n = m: the formulas stay finite there
+        gap = None
+        if prefix is not None:  # float64: F_m - F_n exact
+            gap = prefix[..., first : first + rows, None] - prefix[..., None, :keys]
+        return self.module.rows(self.heads, m, n, gap)
+
+    def scores(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+        """Batch row 0's bias of queries start..end-1 over keys 0..end-1: [H, rows, end] (what
+        evaluation adds to q_eff . k_eff / sqrt(D))."""
+        prefix = self.prefix()
+        values = self.rows(start, end - start, end, None if prefix is None else prefix[:1, :, :end], device)
+        return values[0] if values.dim() == 4 else values
+
+
 class AttentionInputs(NamedTuple):
-    """A layer's attention inputs: scores = q_eff @ k_eff.T / sqrt(D) - slope * (m - n), n <= m (and
+    """A layer's attention inputs: scores = q_eff @ k_eff.T / sqrt(D) + b_h(m, n), n <= m (and
     m - n < window where there is one)."""
 
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D] (under GQA each kv head repeated for the query heads it serves)
-    slopes: torch.Tensor | None  # [H] float32, for a design with a distance bias
+    bias: LayerBias | None  # the score bias (`LayerBias.scores`), for a design with one
     window: int = 0  # a sliding window's keys (0: every earlier key)
 
 
@@ -62,17 +98,17 @@ def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     return k.shape[1] != q.shape[1]
 
 
-def causal_attention(q, k, v, slopes: Slopes | None = None, documents: Documents | None = None,
+def causal_attention(q, k, v, bias: LayerBias | None = None, documents: Documents | None = None,
                      window: int = 0) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) [- slope_h (m - n)]) v, query i at position Tk - Tq + i (KV-cache
-    aware); with `documents`, only over earlier keys of the query's own document (`model.documents`);
-    with `window` > 0, only over the `window` most recent keys, its own included (no bias then)."""
-    if window and slopes is not None:
-        raise ValueError("a sliding window with a distance bias is not implemented")
+    """softmax(q k^T / sqrt(D) [+ b_h(m, n)]) v, query i at position Tk - Tq + i (KV-cache aware);
+    with `documents`, only over earlier keys of the query's own document (`model.documents`); with
+    `window` > 0, only over the `window` most recent keys, its own included (no bias then)."""
+    if window and bias is not None:
+        raise ValueError("a sliding window with a score bias is not implemented")
     if documents is not None:
-        return _document_attention(q, k, v, documents, slopes, window)
-    if slopes is not None:
-        return bias_attention(q, k, v, slopes)
+        return _document_attention(q, k, v, documents, bias, window)
+    if bias is not None:
+        return bias_attention(q, k, v, bias)
     if window:
         return window_attention(q, k, v, window)
     tq, tk, gqa = q.shape[-2], k.shape[-2], _gqa(q, k)
@@ -84,8 +120,13 @@ def causal_attention(q, k, v, slopes: Slopes | None = None, documents: Documents
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def bias_attention(q, k, v, slopes: Slopes) -> torch.Tensor:
-    """Attention with a distance bias (ALiBi's) on the fastest correct kernel available.
+def _needs_backward(bias: LayerBias, *xs: torch.Tensor) -> bool:
+    tensors = [*xs, *bias.module.parameters(), *([bias.terms] if bias.terms is not None else [])]
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
+def bias_attention(q, k, v, bias: LayerBias) -> torch.Tensor:
+    """Attention with a score bias on the fastest correct kernel available.
 
     FlexAttention with a score modification (O(N) memory) on GPU, and on CPU for long inputs that
     need no backward pass; otherwise (CPU training, short inputs, KV-cache steps) SDPA over chunks
@@ -93,36 +134,41 @@ def bias_attention(q, k, v, slopes: Slopes) -> torch.Tensor:
     -inf, which has produced NaN in CPU SDPA at long lengths).
     """
     tq, tk = q.shape[-2], k.shape[-2]
-    needs_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if tq == tk and (q.is_cuda or (not needs_backward and tq >= CPU_FLEX_MIN_LEN)):
-        return _flex_bias(q, k, v, slopes)
-    return _chunked_bias(q, k, v, slopes)
+    if tq == tk and (q.is_cuda or (not _needs_backward(bias, q, k, v) and tq >= CPU_FLEX_MIN_LEN)):
+        return _flex_bias(q, k, v, bias)
+    return _chunked_bias(q, k, v, bias)
 
 
-def _chunked_bias(q, k, v, slopes_of: Slopes) -> torch.Tensor:
-    """SDPA over chunks of query rows with an additive distance bias [H, rows, keys].
+def _chunked_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
+    """SDPA over chunks of query rows with an additive bias [B or 1, H, rows, keys], computed per
+    chunk from the bias's parameters (and prefix sums).
 
     With gradients, each chunk is recomputed in the backward pass (activation checkpointing), so
-    autograd keeps no per-chunk bias or probabilities: memory stays O(chunk x N), not O(N^2).
+    autograd keeps no per-chunk bias or probabilities: memory stays O(chunk x N), not O(N^2), and
+    the bias's parameters get their gradients from the recomputed chunks.
     """
     tq, tk = q.shape[-2], k.shape[-2]
-    slopes = slopes_of(q.shape[1]).to(q.device)[:, None, None]  # float64: exact bias
     offset = tk - tq
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    grad = _needs_backward(bias, q, k, v)
+    prefix = bias.prefix()
     out = []
     for start in range(0, tq, BIAS_CHUNK):
         end = min(tq, start + BIAS_CHUNK)
-        args = (q[..., start:end, :], k[..., : offset + end, :], v[..., : offset + end, :], slopes, offset + start)
+        keys = offset + end
+        f = None if prefix is None else prefix[..., :keys]
+        args = (q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], bias, offset + start, f)
         out.append(checkpoint(_bias_rows, *args, use_reentrant=False) if grad else _bias_rows(*args))
     return torch.cat(out, dim=-2)
 
 
-def _bias_rows(q, k, v, slopes: torch.Tensor, first: int) -> torch.Tensor:
-    """Attention of query rows at positions first.. over keys 0..first+rows-1 (later keys are masked)."""
-    m = torch.arange(first, first + q.shape[-2], device=q.device)[:, None]
-    n = torch.arange(k.shape[-2], device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=distance_bias(slopes, m, n, n <= m, q.dtype),
-                                          enable_gqa=_gqa(q, k))
+def _bias_rows(q, k, v, bias: LayerBias, first: int, prefix: torch.Tensor | None) -> torch.Tensor:
+    """Attention of query rows first.. over keys 0..first+rows-1 (later keys are masked)."""
+    rows, keys = q.shape[-2], k.shape[-2]
+    m = torch.arange(first, first + rows, device=q.device)[:, None]
+    n = torch.arange(keys, device=q.device)[None, :]
+    values = bias.rows(first, rows, keys, prefix, q.device)
+    mask = values.to(q.dtype).masked_fill(~(n <= m), torch.finfo(q.dtype).min)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_gqa(q, k))
 
 
 @functools.cache
@@ -149,47 +195,75 @@ def _causal_block_mask(length: int, device: str):
     )
 
 
-@functools.lru_cache(maxsize=32)
-def _slopes(slopes_of: Slopes, n_head: int, device: str) -> torch.Tensor:
-    """float32 slopes on a device (kept out of the state dict and of bf16/fp16 casts)."""
-    return slopes_of(n_head).to(device, torch.float32)
-
-
-@functools.lru_cache(maxsize=32)
-def _bias_score_mod(slopes_of: Slopes, n_head: int, device: str):
-    """One score_mod per (design, heads, device): slopes are the same in every layer, so all share
-    one compile."""
-    slopes = _slopes(slopes_of, n_head, device)
+def _score_mod(element, tensors: tuple[torch.Tensor, ...], positions: torch.Tensor | None,
+               prefix: tuple[torch.Tensor, torch.Tensor] | None):
+    """FlexAttention's score_mod for a bias: `element` (a design's static function) on the captured
+    `tensors` (parameters: gradients flow to them), at token positions (`positions` [B, T] where
+    they restart at documents, else the indices) and, for a gated bias, the gap sums from the
+    prefix sums F [B, H, T] as float32 (hi, lo) pairs: hi_m - hi_n is exact wherever the gap is
+    small against F (Sterbenz), so the gap keeps float32's relative precision at any length. The
+    closure holds tensors and one function per design only: every layer shares one compiled kernel."""
 
     def score_mod(score, b, h, m, n):
-        return score - slopes[h] * (m - n)
+        pm, pn = (positions[b, m], positions[b, n]) if positions is not None else (m, n)
+        pn = torch.minimum(pn, pm)  # masked pairs read n = m: finite values and gradients
+        gap = None
+        if prefix is not None:
+            hi, lo = prefix
+            gap = (hi[b, h, m] - hi[b, h, n]) + (lo[b, h, m] - lo[b, h, n])
+        return score + element(tensors, h, pm, pn, gap)
 
     return score_mod
 
 
-def _document_attention(q, k, v, documents: Documents, slopes: Slopes | None, window: int = 0) -> torch.Tensor:
-    """Document-masked attention: FlexAttention on GPU, each document's causal attention on CPU."""
+def _flex_prefix(bias: LayerBias, documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """F for FlexAttention as float32 (hi, lo) with hi + lo = the float64 sums, restarted at each
+    document."""
+    prefix = bias.prefix()
+    if prefix is None:
+        return None
+    if documents is not None:
+        first = documents.starts[:, None, :].expand_as(prefix)
+        before = torch.where(first > 0, prefix.gather(-1, (first - 1).clamp(min=0)), 0.0)
+        prefix = prefix - before
+    hi = prefix.to(torch.float32)
+    return hi, (prefix - hi.to(torch.float64)).to(torch.float32)
+
+
+def _flex_bias(q, k, v, bias: LayerBias, documents: Documents | None = None) -> torch.Tensor:
+    module = bias.module
+    tensors = module.tensors(bias.heads, q.device)
+    positions = documents.positions if documents is not None and documents.restart else None
+    mod = _score_mod(type(module).element, tensors, positions, _flex_prefix(bias, documents))
+    mask = documents.block_mask if documents is not None else _causal_block_mask(q.shape[-2], str(q.device))
+    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=mask, enable_gqa=_gqa(q, k))
+
+
+def _document_attention(q, k, v, documents: Documents, bias: LayerBias | None, window: int = 0) -> torch.Tensor:
+    """Document-masked attention: FlexAttention on GPU, each document's causal attention on CPU
+    (a bias's positions and prefix sums count from each document's start, or from the row's
+    where positions do not restart)."""
     if q.shape[-2] != k.shape[-2] or documents.ids.shape != (q.shape[0], q.shape[-2]):
         raise ValueError(f"document masking needs q and k of one length (no KV cache) and documents [B, T]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.ids.shape)}")
     if window:  # a window counts the distance, so within a document it is the document's own
         if not q.is_cuda:
-            return segment_attention(q, k, v, documents.ids, functools.partial(_chunked_window, window=window))
+            return segment_attention(q, k, v, documents.ids,
+                                     lambda q, k, v, rows, tokens: _chunked_window(q, k, v, window))
         mask = _document_window_mask(documents.ids, window)
         return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=_gqa(q, k))
-    if not q.is_cuda:
-        if slopes is not None:
-            return segment_attention(q, k, v, documents.ids, functools.partial(_chunked_bias, slopes_of=slopes))
+    if q.is_cuda:
+        if bias is not None:
+            return _flex_bias(q, k, v, bias, documents)
+        return _compiled_flex()(q, k, v, block_mask=documents.block_mask, enable_gqa=_gqa(q, k))
+    if bias is None:
         return causal_segments(q, k, v, documents.ids)
-    mod = _bias_score_mod(slopes, q.shape[1], str(q.device)) if slopes is not None else None
-    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=documents.block_mask, enable_gqa=_gqa(q, k))
 
+    def piece(qp, kp, vp, rows: slice, tokens: slice) -> torch.Tensor:
+        terms = None if bias.terms is None else bias.terms[rows, :, tokens]
+        return _chunked_bias(qp, kp, vp, replace(bias, terms=terms, start=0 if documents.restart else tokens.start))
 
-def _flex_bias(q, k, v, slopes: Slopes) -> torch.Tensor:
-    device = str(q.device)
-    flex = _compiled_flex()
-    mod = _bias_score_mod(slopes, q.shape[1], device)
-    return flex(q, k, v, score_mod=mod, block_mask=_causal_block_mask(q.shape[-2], device), enable_gqa=_gqa(q, k))
+    return segment_attention(q, k, v, documents.ids, piece)
 
 
 # ---- sliding window ---------------------------------------------------------------------------------
@@ -254,27 +328,32 @@ def _document_window_mask(ids: torch.Tensor, window: int):
 
 class LayerCache:
     """One layer's KV cache: k_eff (Origin: rope(k); CoCA: rope(t), or Strict's k_eff) and v, each
-    with the layer's n_kv_head heads."""
+    with the layer's n_kv_head heads, and a gated bias's per-token terms (FoX's log forget gates)."""
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.terms: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, k: torch.Tensor, v: torch.Tensor, terms: torch.Tensor | None = None):
+        """(k, v, terms) of every token so far: the cached ones, then these."""
         if self.keys is not None:
             k, v = torch.cat((self.keys, k), dim=-2), torch.cat((self.values, v), dim=-2)
-        self.keys, self.values = k, v
-        return k, v
+            if terms is not None:
+                terms = torch.cat((self.terms, terms), dim=-1)
+        self.keys, self.values, self.terms = k, v, terms
+        return k, v, terms
 
 
 class CausalSelfAttention(nn.Module):
     """The attention layer of both architectures: their projections, then the shared q/k transform
     and kernel. neox: one fused, biased projection laid out per head as in GPT-NeoX ([H, 3, D] rows
-    of `qkv`); llama: separate `q`, `k`, `v` without biases, k (CoCA's t) and v of n_kv_head heads."""
+    of `qkv`); llama: separate `q`, `k`, `v` without biases, k (CoCA's t) and v of n_kv_head heads.
+    A design with a score bias adds its module, `score_bias` (its parameters are the layer's)."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
@@ -289,6 +368,7 @@ class CausalSelfAttention(nn.Module):
             self.k = nn.Linear(cfg.n_embd, kv, bias=False)
             self.v = nn.Linear(cfg.n_embd, kv, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
+        self.score_bias = self.design.bias(cfg.n_head, cfg.n_embd) if self.design.bias else None
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D]; k (or CoCA's t) and v [B, n_kv_head, T, D]."""
@@ -316,15 +396,15 @@ class CausalSelfAttention(nn.Module):
         q, k = self.design.qk(q, k, rope)
         if q_scale is not None:
             q = q * q_scale
+        score_bias = self.score_bias
+        terms = score_bias.terms(x) if score_bias is not None and score_bias.gated else None
         if cache is not None:
-            k, v = cache.append(k, v)
+            k, v, terms = cache.append(k, v, terms)
         if queries:
             q, T = q[..., -queries:, :], queries
-        slopes = self.design.slopes
+        bias = None if score_bias is None else LayerBias(score_bias, terms)
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
-            capture.append(AttentionInputs(q, k_eff, None if slopes is None else _slopes(slopes, self.n_head,
-                                                                                            str(x.device)),
-                                           self.design.window))
-        y = causal_attention(q, k, v, slopes, documents, self.design.window)
+            capture.append(AttentionInputs(q, k_eff, bias, self.design.window))
+        y = causal_attention(q, k, v, bias, documents, self.design.window)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -10,6 +10,10 @@ keeps every tensor and decides only what T starts from:
                                       initialisation draws K (`t_init: fresh`, what the released
                                       code gets through `ignore_mismatched_sizes`)
     origin -> alibi                   everything kept; the rotary embedding is simply not applied
+    origin -> kerple | fire | fox     everything kept, the rotary embedding not applied, and the
+                                      design's bias parameters (KERPLE's r1, r2, FIRE's MLP, c, L,
+                                      FoX's gate) drawn afresh as a new model draws them: Origin has
+                                      nothing they could start from
 
 Why T = K is a sensible start: CoCA scores q_m . (q_m * t_n) rotated, with t tied per rotary pair
 and non-negative, so K's weights give T the keys' scale and the same per-head input features;
@@ -73,7 +77,12 @@ def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelCo
     """`state` (the source model's) as the target attention's state dict, and what was carried."""
     check_conversion(source, target, t_init)
     out = {name: tensor.clone() for name, tensor in state.items()}
-    if source.attention == target.attention or target.design.from_origin != "k_to_t" or t_init == "from_k":
+    if source.attention == target.attention:
+        return out, Conversion(carried=sorted(out), fresh=[])
+    if target.design.bias is not None:
+        fresh = _fresh_bias(target, seed)
+        return {**out, **fresh}, Conversion(carried=sorted(out), fresh=sorted(fresh))
+    if target.design.from_origin != "k_to_t" or t_init == "from_k":
         return out, Conversion(carried=sorted(out), fresh=[])
     generator = torch.Generator().manual_seed(seed)
     fresh = []
@@ -89,6 +98,21 @@ def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelCo
             fresh.append(f"{prefix}.k.weight")
     carried = [name for name in sorted(out) if not any(name.startswith(f.split(" ")[0]) for f in fresh)]
     return out, Conversion(carried=carried, fresh=fresh)
+
+
+def _fresh_bias(target: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Each layer's score-bias parameters as a new model of `target` initialises them (its linears as
+    the model's, then the design's own `reset_parameters`), drawn from `seed`."""
+    from .gpt import init_weights
+
+    state = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in range(target.n_layer):
+            module = target.design.bias(target.n_head, target.n_embd)
+            module.apply(lambda m: init_weights(m, target.init_std))
+            state.update({f"h.{layer}.attn.score_bias.{name}": p.detach() for name, p in module.named_parameters()})
+    return state
 
 
 def _normal(like: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:

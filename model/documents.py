@@ -18,7 +18,10 @@ Two kernels, both exact and neither building an N x N tensor:
   for backward.
 
 Positions restarting at each document (`model.doc_positions`) are `positions`. A distance bias
--slope * (m - n) depends on the distance only, so it counts from the document start either way.
+-slope * (m - n) depends on the distance only, so it counts from the document start either way; a
+bias that reads the query position (FIRE's) reads it from the document start under
+`doc_positions`, else from the row's, and a gated bias's prefix sums (FoX's) restart at every
+document (`model.attention`).
 """
 
 from __future__ import annotations
@@ -34,14 +37,24 @@ import torch.nn.functional as F
 
 class Documents:
     """A batch's document ids [B, T], with the GPU kernel's block mask built once per forward (not
-    once per layer)."""
+    once per layer). restart: positions restart at each document (`model.doc_positions`), which a
+    positional score bias then reads."""
 
-    def __init__(self, ids: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, restart: bool = False):
         self.ids = ids
+        self.restart = restart
 
     @functools.cached_property
     def block_mask(self):
         return document_block_mask(self.ids)
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        return starts(self.ids)
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        return positions(self.ids)
 
 
 def starts(documents: torch.Tensor) -> torch.Tensor:
@@ -161,12 +174,13 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 
 
 def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> torch.Tensor:
-    """Document-masked attention as a causal kernel `attend(q, k, v)` on each segment (for the bias kernel,
-    whose chunked kernel bounds its own memory): the pieces are splits of q, k, v and the output
-    their concatenation."""
+    """Document-masked attention as a causal kernel `attend(q, k, v, rows, tokens)` on each segment
+    (for the bias kernel, whose chunked kernel bounds its own memory; `rows` and `tokens` say where
+    the piece sits, for a bias's positions and per-token terms): the pieces are splits of q, k, v
+    and the output their concatenation."""
     plan = segments(documents)
     if plan is None:
-        return attend(q, k, v)
+        return attend(q, k, v, slice(None), slice(0, q.shape[-2]))
     group = q.shape[1] // v.shape[1]
     rows = [(key, list(pieces)) for key, pieces in itertools.groupby(plan, key=lambda seg: seg.rows)]
     sizes = [key.stop - key.start for key, _ in rows]
@@ -174,7 +188,7 @@ def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> tor
     for (_, pieces), q_rows, k_rows, v_rows in zip(rows, q.split(sizes), k.split(sizes), v.split(sizes)):
         lengths = [seg.tokens.stop - seg.tokens.start for seg in pieces]
         splits = (x.split(lengths, dim=-2) for x in (q_rows, k_rows, v_rows))
-        parts = [_per_query_head(vp, group) if seg.values else attend(qp, kp, vp)
+        parts = [_per_query_head(vp, group) if seg.values else attend(qp, kp, vp, seg.rows, seg.tokens)
                  for seg, qp, kp, vp in zip(pieces, *splits)]
         out.append(torch.cat(parts, dim=-2))
     return torch.cat(out)

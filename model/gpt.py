@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
 from .designs import Rope, RopeTables
+from .designs.base import ScoreBias
 from .designs.temperature import length_temperature
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
@@ -72,6 +73,17 @@ class LMHead(nn.Linear):
 
     def token_losses(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return token_losses(h, self.weight, targets)
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """The model's initialisation, applied to every module: linears and embeddings normal(0, std),
+    biases zero; a score bias (`model.designs`) then its own (`apply` visits children first)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, ScoreBias):
+        module.reset_parameters()
 
 
 class Block(nn.Module):
@@ -136,13 +148,7 @@ class GPT(nn.Module):
             if cfg.design.rope
             else None
         )
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        self.apply(lambda module: init_weights(module, cfg.init_std))
 
     # ---- forward ---------------------------------------------------------------------------------
 
@@ -164,7 +170,8 @@ class GPT(nn.Module):
         close to one block's work less (the passkey scorer needs a few positions of 8K)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
-        documents = Documents(documents) if self.cfg.doc_mask and documents is not None else None
+        masked = self.cfg.doc_mask and documents is not None
+        documents = Documents(documents, self.cfg.doc_positions) if masked else None
         if documents is not None and cache is not None:
             raise ValueError("document masking is for packed rows; a KV cache continues one document")
         T = idx.shape[1]
@@ -261,7 +268,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def capture_qk(self, idx: torch.Tensor) -> list[AttentionInputs]:
-        """Each layer's (q_eff, k_eff, slopes), from which its attention scores follow."""
+        """Each layer's (q_eff, k_eff, score bias), from which its attention scores follow."""
         capture: list[AttentionInputs] = []
         self.hidden_states(idx, capture=capture)
         return capture

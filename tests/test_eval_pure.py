@@ -59,6 +59,20 @@ class Layer:
     slopes: torch.Tensor | None
     window: int = 0
 
+    @property
+    def bias(self):
+        """ALiBi's bias -slope_h (m - n) in `LayerBias.scores`'s form, or None."""
+        if self.slopes is None:
+            return None
+        slopes = self.slopes
+
+        class Bias:
+            def scores(self, start, end, device):
+                m, n = torch.arange(start, end)[:, None], torch.arange(end)[None, :]
+                return -slopes[:, None, None] * (m - n)
+
+        return Bias()
+
 
 def reference_stats(layer: Layer, sigma: float, window: int) -> dict:
     """The definitions on the full float64 score matrix."""

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from model import ModelConfig, RopeScaling
-from model.attention import BIAS_CHUNK, CausalSelfAttention, causal_attention
+from model.attention import BIAS_CHUNK, CausalSelfAttention, LayerBias, causal_attention
 from model.designs import DESIGNS, Rope
-from model.designs.alibi import alibi_slopes
+from model.designs.alibi import AlibiBias, alibi_slopes
 
 F64 = torch.float64
 
@@ -149,7 +149,7 @@ def test_alibi_kernel_matches_explicit_bias(tq, tk, kv_heads):
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(b, heads, t, d, dtype=F64, generator=g, requires_grad=True)
                for heads, t in ((h, tq), (kv_heads, tk), (kv_heads, tk)))
-    out = causal_attention(q, k, v, alibi_slopes)
+    out = causal_attention(q, k, v, LayerBias(AlibiBias(h)))
     positions = torch.arange(tk)
     full_q = torch.cat((torch.zeros(b, h, tk - tq, d, dtype=F64), q), dim=2)
     scores = reference_scores("alibi", full_q, per_query_head(k, h), positions, 0)
@@ -200,8 +200,8 @@ def test_cpu_flex_alibi_matches_chunked_path(monkeypatch, kv_heads):
     q, k, v = (torch.randn(1, heads, attention.CPU_FLEX_MIN_LEN, 16, generator=g) for heads in (4, kv_heads, kv_heads))
     chunked_bias = attention._chunked_bias
     with torch.no_grad():
-        chunked = chunked_bias(q, k, v, alibi_slopes)
+        chunked = chunked_bias(q, k, v, LayerBias(AlibiBias(4)))
         monkeypatch.setattr(attention, "_chunked_bias", None)  # the flex path must not fall back
-        flex = causal_attention(q, k, v, alibi_slopes)
+        flex = causal_attention(q, k, v, LayerBias(AlibiBias(4)))
     assert torch.isfinite(flex).all()
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-5)

@@ -14,9 +14,9 @@ import torch
 from test_model_attention import reference_scores
 
 from model import GPT, ModelConfig
-from model.attention import CausalSelfAttention, causal_attention
+from model.attention import CausalSelfAttention, LayerBias, causal_attention
 from model.designs import Rope
-from model.designs.alibi import alibi_slopes
+from model.designs.alibi import AlibiBias
 from model.documents import Documents, document_block_mask, positions, starts
 
 F64 = torch.float64
@@ -166,7 +166,7 @@ def test_cpu_kernel_keeps_linear_memory_for_backward(alibi):
             return x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            causal_attention(q, k, v, alibi_slopes if alibi else None, documents=Documents(docs))
+            causal_attention(q, k, v, LayerBias(AlibiBias(2)) if alibi else None, documents=Documents(docs))
         return total
 
     assert saved_bytes(2048) <= 2.2 * saved_bytes(1024)
@@ -236,16 +236,17 @@ def test_flex_kernel_matches_cpu_kernel(alibi, kv_heads):
     """The GPU kernel (compiled FlexAttention; forward runs on CPU too, ~30 s compile) agrees with the
     CPU kernel on a packed row with documents across tile edges, with GQA too (the one-token
     documents' outputs are their kv head's values)."""
-    from model.attention import _bias_score_mod, _compiled_flex
+    from model.attention import _compiled_flex, _flex_bias
 
     g = torch.Generator().manual_seed(6)
     lengths = [300, 1, 1, 97, 400, 225]
     docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(2, -1).contiguous()
     q, k, v = (torch.randn(2, heads, docs.shape[1], 16, generator=g) for heads in (4, kv_heads, kv_heads))
     with torch.no_grad():
-        mod = _bias_score_mod(alibi_slopes, 4, "cpu") if alibi else None
-        flex = _compiled_flex()(q, k, v, score_mod=mod, block_mask=document_block_mask(docs),
-                                enable_gqa=kv_heads != 4)
-        slopes = alibi_slopes if alibi else None
-        segments = causal_attention(q, k, v, slopes, documents=Documents(docs))  # the CPU kernel
+        bias = LayerBias(AlibiBias(4)) if alibi else None
+        if alibi:
+            flex = _flex_bias(q, k, v, bias, Documents(docs))
+        else:
+            flex = _compiled_flex()(q, k, v, block_mask=document_block_mask(docs), enable_gqa=kv_heads != 4)
+        segments = causal_attention(q, k, v, bias, documents=Documents(docs))  # the CPU kernel
     torch.testing.assert_close(flex, segments, rtol=1e-4, atol=1e-5)

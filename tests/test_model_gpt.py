@@ -142,13 +142,19 @@ def test_capture_qk_gives_the_layer_scores(attention, form, arch, layer):
     idx = tokens(1, 12, seed=6)
     captured = model.capture_qk(idx)
     assert len(captured) == model.cfg.n_layer
-    q_eff, k_eff, slopes, window = captured[layer]
-    assert (slopes is None) == (design_of(attention, form).slopes is None) and q_eff.shape == (1, 2, 12, 8)
+    q_eff, k_eff, bias, window = captured[layer]
+    assert (bias is None) == (design_of(attention, form).bias is None) and q_eff.shape == (1, 2, 12, 8)
     assert window == (3 if (attention, layer) == ("hybrid", 0) else 0)
     m = torch.arange(12)
     scores = q_eff @ k_eff.transpose(-1, -2) / math.sqrt(8)
-    if slopes is not None:
-        scores = scores - slopes.double()[:, None, None] * (m[:, None] - m[None, :])
+    if attention == "alibi":  # the captured bias is ALiBi's, slopes 2^-4, 2^-8 for 2 heads
+        slopes = torch.tensor([2.0**-4, 2.0**-8], dtype=torch.float64)
+        causal = m[:, None] >= m[None, :]
+        torch.testing.assert_close(bias.scores(0, 12, q_eff.device)[..., causal],
+                                   -(slopes[:, None, None] * (m[:, None] - m[None, :]))[..., causal],
+                                   rtol=0, atol=1e-12)
+    if bias is not None:
+        scores = scores + bias.scores(0, 12, q_eff.device)[None]
     scores = scores.masked_fill(m[:, None] < m[None, :], float("-inf"))
     if window:
         scores = scores.masked_fill(m[:, None] - m[None, :] >= window, float("-inf"))

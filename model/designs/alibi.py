@@ -3,11 +3,12 @@ scores = q k^T / sqrt(D) - s_h (m - n), with the paper's geometric head slopes s
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .base import Design
+from .base import Design, ScoreBias
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
@@ -24,8 +25,37 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     return torch.cat((torch.tensor(power_of_2(closest), dtype=torch.float64), extra))
 
 
+@functools.lru_cache(maxsize=32)
+def _slopes(n_head: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    return alibi_slopes(n_head).to(device, dtype)
+
+
+class AlibiBias(ScoreBias):
+    """b_h(m, n) = -s_h (m - n). The slopes are fixed, so they are no parameter or buffer (kept
+    out of the state dict and of bf16 casts): float64 in `rows` (exact, then cast by the kernel),
+    float32 in `score`."""
+
+    def __init__(self, n_head: int, n_embd: int = 0):
+        super().__init__()
+        self.n_head = n_head
+
+    def slopes(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The head slopes [H] on `device`."""
+        return _slopes(self.n_head, str(device), dtype)
+
+    def tensors(self, heads: slice, device) -> tuple[torch.Tensor, ...]:
+        return (self.slopes(device)[heads],)
+
+    @staticmethod
+    def element(t, h, m, n, gap=None) -> torch.Tensor:
+        return -t[0][h] * (m - n)
+
+    def rows(self, heads, m, n, gap=None) -> torch.Tensor:
+        return -self.slopes(m.device, torch.float64)[heads, None, None] * (m - n)
+
+
 ALIBI = Design(
     key="alibi", attention="alibi", label="alibi", name="ALiBi", colour="#2ca02c",
     summary="no rotation; a fixed per-head penalty linear in the distance",
-    rope=False, slopes=alibi_slopes, from_origin="keep",
+    rope=False, bias=AlibiBias, from_origin="keep",
 )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from .rope import RopeTables
 
@@ -19,12 +20,61 @@ def unchanged(q: torch.Tensor, k: torch.Tensor, rope: RopeTables | None) -> tupl
     return q, k
 
 
-def distance_bias(slopes: torch.Tensor, m: torch.Tensor, n: torch.Tensor, allowed: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """The additive bias -slope_h * (m - n) for query positions m [rows, 1] and key positions
-    n [1, keys] (slopes [H, 1, 1], float64: exact), cast to `dtype`; where `allowed` is False, the
-    dtype's most negative finite value (never -inf, which has produced NaN in CPU SDPA)."""
-    return (-slopes * (m - n)).to(dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+class ScoreBias(nn.Module):
+    """One layer's additive score bias b_h(m, n), for query position m and key position n <= m,
+    added to the scaled scores q_eff . k_eff / sqrt(D). A design with a bias builds one per layer
+    (`Design.bias`); its parameters are the layer's (`attn.score_bias.*`), so they train, shard
+    and export with it. The kernels (`model.attention`, the exported model) read it two ways:
+
+    - `rows`: the bias of a block of query rows over their keys, as one tensor (the CPU kernel, the
+      remote-code model, evaluation); differentiable with respect to the parameters.
+    - `element` on `tensors`: the same value elementwise from a few tensors (FlexAttention's
+      score_mod on GPU, with the tensors captured: gradients flow to them).
+
+    Both serve the query heads `heads` (a slice: all of them, or one rank's share under sequence
+    parallelism) and take positions (m [..., rows, 1] of the queries, n [..., 1, keys] of the keys;
+    from the document start under `doc_positions`) and, for a data-dependent bias (`gated`), the
+    sum of its per-token terms `terms(x)` over the gap, g = sum_{l = n+1}^{m} term_l (exact: a
+    difference of float64 prefix sums on CPU, of float32 hi/lo pairs in FlexAttention). By default
+    `rows` is `element` on broadcast tensors.
+    """
+
+    n_head: int
+    gated: bool = False  # whether the bias reads the layer input (`terms`): FoX's forget gates
+
+    def reset_parameters(self) -> None:
+        """The design's own initialisation of its parameters, run after the model's (which draws
+        every linear layer's weights): none by default."""
+
+    def terms(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token terms [B, H, T] (float32) from the layer input x [B, T, C] (gated biases only);
+        the bias sees their sums over each gap, within a document."""
+        raise NotImplementedError(f"{type(self).__name__} reads no per-token terms")
+
+    def tensors(self, heads: slice, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """What `element` reads, for the query heads `heads` (per-head tensors sliced by them)."""
+        return ()
+
+    @staticmethod
+    def element(t: tuple[torch.Tensor, ...], h: torch.Tensor, m: torch.Tensor, n: torch.Tensor,
+                gap: torch.Tensor | None) -> torch.Tensor:
+        """b_h(m, n) from `tensors` elementwise (broadcasting); a static function of tensors only, so
+        FlexAttention compiles one score_mod per design for every layer."""
+        raise NotImplementedError
+
+    def rows(self, heads: slice, m: torch.Tensor, n: torch.Tensor, gap: torch.Tensor | None = None) -> torch.Tensor:
+        """b_h(m, n) for the query heads `heads`: [heads, rows, keys] (or [B, heads, rows, keys] for a
+        gated bias: gap is [B, heads, rows, keys]), float32 or wider."""
+        t = self.tensors(heads, m.device)
+        served = len(range(*heads.indices(self.n_head)))
+        return self.element(t, torch.arange(served, device=m.device)[:, None, None], m, n, gap)
+
+
+def positive(p: torch.Tensor, floor: float) -> torch.Tensor:
+    """p kept >= floor as the reference codes' in-place clamp keeps it (the value is clamped, the
+    gradient passes as if it were not, so a parameter below the floor can come back), without
+    writing to the parameter: safe under ZeRO-3, compile and checkpointing."""
+    return p + (p.clamp(min=floor) - p).detach()
 
 
 @dataclass(frozen=True)
@@ -40,8 +90,9 @@ class Design:
       the T positions (None where `rope` is False) -> the kernel's q_eff, k_eff. Scores are
       q_eff . k_eff / sqrt(D), plus the bias below; the KV cache holds k_eff.
     rope: whether the design rotates with RoPE: the model builds tables and RoPE scalings apply.
-    slopes: n_head -> per-head slopes s_h [H] (float64) of a bias -s_h (m - n) added to the scores
-      of query position m and key position n, run on the bias kernel; None: no bias (fused SDPA).
+    bias: (n_head, n_embd) -> a layer's `ScoreBias` module, b_h(m, n) added to the scores of query
+      position m and key position n and run on the bias kernels; None: no bias (fused SDPA).
+      ALiBi's is fixed slopes; KERPLE's, FIRE's and FoX's learn.
     native_hf: exported as the architecture's own Hugging Face class (GPTNeoXForCausalLM,
       LlamaForCausalLM); otherwise as the remote-code model shipped with the export.
     from_origin: how an Origin model's weights become this design's (`model.convert`): "keep"
@@ -64,7 +115,7 @@ class Design:
     summary: str
     qk: QKTransform = unchanged
     rope: bool = True
-    slopes: Optional[Callable[[int], torch.Tensor]] = None
+    bias: Optional[Callable[[int, int], ScoreBias]] = None
     coca_form: Optional[str] = None
     native_hf: bool = False
     from_origin: Optional[str] = None

@@ -123,7 +123,7 @@ except ModuleNotFoundError:
     pass
 from transformers import AutoModelForCausalLM, AutoTokenizer
 remote = (export / "modeling_coca_lm.py").exists()
-tok = AutoTokenizer.from_pretrained(export)
+tok = AutoTokenizer.from_pretrained(export, trust_remote_code=remote)
 model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=remote).eval()
 ids = tok(Path(json.__file__).with_name("decoder.py").read_text(), add_special_tokens=False)["input_ids"]
 prompt = torch.tensor([[tok.eos_token_id] + ids[:95]])

@@ -33,6 +33,7 @@ from .config import ModelConfig
 from .designs import RopeTables
 from .designs.base import distance_bias
 from .documents import Documents, causal_segments, segment_attention
+from .sequence_parallel import SequenceParallel
 
 Slopes = Callable[[int], torch.Tensor]  # n_head -> [H] float64: a design's distance-bias slopes
 
@@ -219,6 +220,7 @@ class CausalSelfAttention(nn.Module):
             self.k = nn.Linear(cfg.n_embd, kv, bias=False)
             self.v = nn.Linear(cfg.n_embd, kv, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
+        self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D]; k (or CoCA's t) and v [B, n_kv_head, T, D]."""
@@ -251,5 +253,10 @@ class CausalSelfAttention(nn.Module):
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
             capture.append(AttentionInputs(q, k_eff, None if slopes is None else _slopes(slopes, self.n_head,
                                                                                             str(x.device))))
+        sp = self.sequence_parallel
+        if sp is not None:  # this rank's tokens -> this rank's heads over the whole row, and back
+            q, k, v, slopes = sp.attention_inputs(q, k, v, slopes, self.n_head)
         y = causal_attention(q, k, v, slopes, documents)
+        if sp is not None:
+            y = sp.to_sequence(y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -23,9 +23,10 @@ from torch.utils.checkpoint import checkpoint
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
 from .designs import Rope, RopeTables
-from .documents import Documents, positions
+from .documents import positions
 from .loss import linear_cross_entropy_sum, token_losses
 from .sampling import check_sampling, next_token
+from .sequence_parallel import SequenceParallel, gathered
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
@@ -134,6 +135,7 @@ class GPT(nn.Module):
             if cfg.design.rope
             else None
         )
+        self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -162,7 +164,11 @@ class GPT(nn.Module):
         close to one block's work less (the passkey scorer needs a few positions of 8K)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
-        documents = Documents(documents) if self.cfg.doc_mask and documents is not None else None
+        sp = self.sequence_parallel
+        if sp is not None and (cache is not None or capture is not None or keep):
+            raise ValueError("sequence parallelism shards training rows: the KV cache, capture_qk and "
+                             "logits_to_keep run on one rank")
+        documents = gathered(sp, documents) if self.cfg.doc_mask else None
         if documents is not None and cache is not None:
             raise ValueError("document masking is for packed rows; a KV cache continues one document")
         T = idx.shape[1]
@@ -175,15 +181,15 @@ class GPT(nn.Module):
                 rows = min(keep, T) if keep > 0 else T
                 return self.hidden_states(tokens, cache, capture, keep=rows)[:, -rows:]
             cache.record(idx)
-        length = past + T
+        first, length = (past, past + T) if sp is None else sp.span(T)  # global positions and length
         x = self.wte(idx)
         rope = None
         if self.rope is not None:
             if documents is not None and self.cfg.doc_positions:  # [B, T]: per row, heads broadcast
-                cos, sin = self.rope.tables(positions(documents.ids), length, x.dtype)
+                cos, sin = self.rope.tables(positions(documents.ids)[:, first : first + T], length, x.dtype)
                 rope = cos[:, None], sin[:, None]
             else:
-                rope = self.rope.tables(torch.arange(past, length, device=idx.device), length, x.dtype)
+                rope = self.rope.tables(torch.arange(first, first + T, device=idx.device), length, x.dtype)
         remat = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         keep = keep if 0 < keep < T and capture is None and documents is None else 0
         for i, block in enumerate(self.h):

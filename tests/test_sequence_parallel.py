@@ -1,0 +1,116 @@
+"""Sequence parallelism (`parallel.sequence`, DeepSpeed-Ulysses) is exact: a step on two gloo ranks,
+each holding half of every row, equals a one-process step on the whole rows.
+
+One pair of ranks (`tests/sequence_parallel_steps.py`) runs every case: in float64 the trainer's
+arithmetic for neox, llama with GQA (and MQA, whose one kv head is replicated) x every design x
+{plain rows, packed documents crossing the shard boundary with `doc_positions`} x {as trained,
+dynamic NTK stretching from half the row}, to 1e-10; then the DeepSpeed engine under ZeRO 0, 2
+and 3 in fp32, to 1e-5. The batch makes the shortcuts fail: the shards count different targets
+(local loss scale), dynamic NTK's base depends on the global length, positions and ALiBi slopes
+differ per shard and head.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from sequence_parallel_steps import EOS, SEED, SEQ_LEN, VOCAB, model_config
+from test_train_e2e import _free_port
+
+from model import GPT
+from model.designs import DESIGNS
+from run_checks import clean_env, ok
+from train.config import ConfigError, compose, to_train_config
+from train.inputs import model_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "sequence_parallel_steps.py"
+
+
+def float64_cases() -> list[str]:
+    cases = []
+    for arch in ("neox", "llama"):
+        for design in DESIGNS.values():
+            for data in ("plain", "docs"):
+                for scaling in ("none", "dynamic") if design.rope else ("none",):
+                    cases.append(f"{arch}:{design.key}:{data}:{scaling}")
+    return [*cases, "mqa:origin:docs:dynamic", "mqa:alibi:docs:none"]
+
+
+ENGINE_CASES = ["zero0:neox:alibi:docs:none", "zero2:llama:coca_strict:docs:dynamic",
+                "zero3:llama:origin:docs:dynamic", "zero3:neox:coca:plain:none"]
+
+
+def batch() -> torch.Tensor:
+    """2 rows of 33 tokens. Row 0: documents start at 3, 12 (crossing the shard boundary at 16) and
+    22, and the targets at 24-28 are not counted (so its shards count 16 and 11); row 1: documents
+    at 0, 9 and 10 (one token each), 11, 15 (crossing) and 28."""
+    rows = torch.randint(1, VOCAB, (2, SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    for row, starts in ((0, (3, 12, 22)), (1, (0, 9, 10, 11, 15, 28))):
+        rows[row, list(starts)] = EOS
+    rows[0, 25:30] = -rows[0, 25:30] - 1
+    return rows
+
+
+def reference(case: str, rows: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, whole rows, float64: the mean loss over counted targets and its gradients."""
+    cfg = model_config(*case.split(":")[-4:])
+    torch.manual_seed(SEED)
+    model = GPT(cfg).double()
+    loss = model(**model_inputs(rows, "cpu", EOS if cfg.doc_mask else None))
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_two_sequence_ranks_equal_one_process(tmp_path):
+    rows = batch()
+    shards = [model_inputs(rows, "cpu", None, (r, 2))["targets"] for r in (0, 1)]
+    assert [int((t != -100).sum()) for t in shards] == [32, 27]  # a local count would scale each rank's loss
+    path = tmp_path / "batch.pt"
+    torch.save(rows, path)
+    cases = [*float64_cases(), *ENGINE_CASES]
+    done = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), str(SCRIPT), str(path),
+                           str(tmp_path / "out.pt"), *cases], cwd=REPO, env=clean_env(PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=600)
+    ok(done)
+    results = torch.load(tmp_path / "out.pt")
+    failed = []
+    for case in cases:
+        loss, grads = reference(case, rows)
+        got = results[case]
+        tol = 1e-5 if case.startswith("zero") else 1e-10
+        worst = max(float((got["grads"][name].double() - grad).abs().max()) for name, grad in grads.items())
+        if abs(got["loss"] - loss) > tol or worst > tol:
+            failed.append(f"{case}: loss {got['loss']} vs {loss}, worst gradient difference {worst:.2e}")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    (["model.n_head=2", "parallel.sequence=4", "model.n_embd=32"],
+     "model.n_head=2 is not divisible by parallel.sequence=4: use a P that divides 2"),
+    (["model=llama_tiny", "model.n_head=6", "model.n_kv_head=3", "model.n_embd=48", "parallel.sequence=2"],
+     "model.n_kv_head=3 neither divides nor is divisible by parallel.sequence=2"),
+    (["model.max_seq_len=30", "parallel.sequence=4", "model.n_head=4", "model.n_embd=32"],
+     "model.max_seq_len=30 is not divisible by parallel.sequence=4: each rank holds an equal share"),
+    (["parallel.sequence=0"], "parallel.sequence=0 must be >= 1"),
+])
+def test_a_model_that_cannot_be_split_is_one_line(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        to_train_config(compose(["experiment=micro", *overrides]))
+
+
+def test_sequence_ranks_must_divide_the_world_and_the_batch_the_data_parallel_ranks():
+    from train.__main__ import check_world_size
+
+    cfg = to_train_config(compose(["experiment=micro", "parallel.sequence=2", "batch_size=4", "micro_batch_size=2"]))
+    with pytest.raises(ConfigError, match="parallel.sequence=2 does not divide the world size 3: launch a "
+                                          "multiple of 2 ranks, or set parallel.sequence to a divisor of 3"):
+        check_world_size(cfg, 3)
+    check_world_size(cfg, 4)  # 2 data-parallel ranks x micro 2: the batch of 4, no accumulation
+    with pytest.raises(ConfigError, match=r"x data-parallel size 4 \(world size 8 / parallel.sequence=2\): run "
+                                          r"on parallel.sequence x a number that divides 2"):
+        check_world_size(cfg, 8)

@@ -12,17 +12,30 @@ differ per shard and head.
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from sequence_parallel_steps import EOS, SEED, SEQ_LEN, VOCAB, model_config
-from test_train_e2e import _free_port
+from test_train_e2e import (
+    _free_port,
+    _logged_batches,
+    _replay,
+    deepspeed_command,
+    train,
+    train_two_ranks,
+    wait_for_step,
+)
 
 from model import GPT
 from model.designs import DESIGNS
-from run_checks import clean_env, ok
+from run_checks import clean_env, losses, ok, val_losses
+from train.checkpoint import complete_checkpoints, step_dir
 from train.config import ConfigError, compose, to_train_config
 from train.inputs import model_inputs
 
@@ -114,3 +127,53 @@ def test_sequence_ranks_must_divide_the_world_and_the_batch_the_data_parallel_ra
     with pytest.raises(ConfigError, match=r"x data-parallel size 4 \(world size 8 / parallel.sequence=2\): run "
                                           r"on parallel.sequence x a number that divides 2"):
         check_world_size(cfg, 8)
+
+
+SP_RUN = ("deepspeed=zero2", "batch_size=4", "micro_batch_size=2", "max_steps=8", "eval_every=4", "ckpt_every=4",
+          "model.attention=alibi", "model.n_head=4")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.slow
+def test_a_deepspeed_run_with_two_sequence_ranks_logs_the_one_rank_losses_and_resumes(cache, tmp_path):
+    """`deepspeed --num_gpus 2 --module train parallel.sequence=2` (ZeRO 2, accumulation 2, ALiBi
+    with 4 heads: 2 per rank) logs the one-process run's losses and validation losses to 1e-5: one
+    sequence group reads the one-rank run's rows. Killed (SIGKILL, the launcher's process group)
+    after step 5 it resumes from step 4 to the uninterrupted run's losses, bit for bit, on the same
+    blocks. Its step-4 checkpoint then continues on one rank with P=1 (another world size: ZeRO's
+    state through the universal checkpoint, the data re-planned from the group's loader): a
+    one-process replay of the logged global batches gives every logged loss to 1e-5."""
+    one, two, killed, elastic = (tmp_path / name for name in ("one", "two", "killed", "elastic"))
+    ok(train(one, cache, *SP_RUN))
+    ok(train_two_ranks(two, cache, *SP_RUN, "parallel.sequence=2"))
+    assert sorted(losses(two)) == list(range(1, 9)) and sorted(val_losses(two)) == [4, 8]
+    for got, want in ((losses(two), losses(one)), (val_losses(two), val_losses(one))):
+        for step in want:
+            assert got[step] == pytest.approx(want[step], abs=1e-5), (step, got, want)
+    assert (two / "blocks_rank0.jsonl").read_text() == (two / "blocks_rank1.jsonl").read_text()  # one group
+
+    proc = subprocess.Popen(deepspeed_command(killed, cache, *SP_RUN, "parallel.sequence=2", "debug.step_sleep_s=0.5"),
+                            cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for_step(proc, killed, 5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert complete_checkpoints(killed)[-1].name == "step_00000004"
+    assert "step_00000004" in ok(train_two_ranks(killed, cache, *SP_RUN, "parallel.sequence=2", "resume=auto")).stderr
+    assert losses(killed) == losses(two) and val_losses(killed) == val_losses(two)
+    assert (killed / "blocks_rank0.jsonl").read_text() == (two / "blocks_rank0.jsonl").read_text()
+
+    shutil.copytree(two, elastic)
+    ok(train(elastic, cache, *SP_RUN, f"resume={step_dir(elastic, 4)}"))
+    assert (step_dir(elastic, 4) / "universal").is_dir()
+    cfg = to_train_config(OmegaConf.load(elastic / "config.yaml"))
+    replayed, logged = _replay(cfg, _logged_batches(elastic, (0,), range(1, 9))), losses(elastic)
+    assert sorted(logged) == list(range(1, 9))
+    for step in logged:
+        assert replayed[step] == pytest.approx(logged[step], abs=1e-5), (step, replayed, logged)

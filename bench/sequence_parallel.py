@@ -11,7 +11,10 @@ and activations dominate (`--layers` layers of width `--width`, `--heads` heads,
 a warm-up step, then `--repeats` timed steps (the best is kept); memory is the peak growth of the
 step beyond what the rank held before it: on CPU the resident-set high-water mark
 (`/proc/self/clear_refs`, glibc's mmap threshold fixed at 1 MiB as in `bench.doc_mask`), on GPU
-`max_memory_allocated`. Tokens/s per rank is the tokens the rank holds over its step time.
+`max_memory_allocated`. Tokens/s per rank is the tokens the rank holds over its step time. On a
+shared CPU the wall time of two ranks includes waiting for cores, so the table also gives each
+step's CPU time (`time.process_time`, one thread) and the all-to-alls' share: the step's 8 per
+layer (q, k, v and the output forward; their gradients backward) timed alone on tensors of q's size.
 Targets (the issue's): at 16K, P=2's per-rank peak at most 0.6x P=1's and its tokens/s per rank
 within 1.5x of P=1's.
 """
@@ -81,15 +84,29 @@ def worker(args) -> None:
             base = torch.cuda.memory_allocated()
         else:
             base = reset_peak_rss()
-        best = math.inf
+        best, cpu = math.inf, math.inf
         for _ in range(args.repeats):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             step(n)
-            best = min(best, time.perf_counter() - start)
+            best, cpu = min(best, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
         peak = (torch.cuda.max_memory_allocated() if cuda else peak_rss()) - base
-        print(json.dumps({"rank": rank, "n": n, "seconds": best, "peak": peak}), flush=True)
+        exchange = exchanges(sp, n, args, device) if sp is not None else 0.0
+        print(json.dumps({"rank": rank, "n": n, "seconds": best, "cpu": cpu, "peak": peak, "all_to_all": exchange}),
+              flush=True)
     if world > 1:
         dist.destroy_process_group()
+
+
+def exchanges(sp: SequenceParallel, n: int, args, device: torch.device) -> float:
+    """Seconds of one step's all-to-alls (8 per layer, each of a q-sized [1, H, n/P, D] tensor)."""
+    q = torch.randn(1, args.heads, n // sp.size, args.width // args.heads, device=device)
+    sp.to_heads(q)  # warm-up
+    start = time.perf_counter()
+    for _ in range(4 * args.layers):
+        sp.to_sequence(sp.to_heads(q))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def _free_port() -> int:
@@ -116,14 +133,16 @@ def run(ranks: int, args) -> list[dict]:
 def table(one: list[dict], two: list[dict], args) -> str:
     mib = 2**20
     rows = ["| tokens | P=1 peak MiB | P=2 peak MiB per rank (max) | memory ratio | P=1 step s | P=2 step s "
-            "(max rank) | P=1 tokens/s | P=2 tokens/s per rank | per-rank speed ratio |", "|" + "---|" * 9]
+            "(max rank) | P=1 tokens/s | P=2 tokens/s per rank | per-rank speed ratio | P=1 CPU s | P=2 CPU s "
+            "(max rank) | P=2 all-to-all s |", "|" + "---|" * 12]
     for n in args.lengths:
         a = next(r for r in one if r["n"] == n)
         b = [r for r in two if r["n"] == n]
         peak2, secs2 = max(r["peak"] for r in b), max(r["seconds"] for r in b)
         rate1, rate2 = n / a["seconds"], n / 2 / secs2
         rows.append(f"| {n} | {a['peak'] / mib:,.0f} | {peak2 / mib:,.0f} | {peak2 / a['peak']:.2f} | "
-                    f"{a['seconds']:.2f} | {secs2:.2f} | {rate1:,.0f} | {rate2:,.0f} | {rate1 / rate2:.2f} |")
+                    f"{a['seconds']:.2f} | {secs2:.2f} | {rate1:,.0f} | {rate2:,.0f} | {rate1 / rate2:.2f} | "
+                    f"{a['cpu']:.2f} | {max(r['cpu'] for r in b):.2f} | {max(r['all_to_all'] for r in b):.2f} |")
     return "\n".join(rows)
 
 

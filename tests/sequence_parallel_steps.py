@@ -1,10 +1,10 @@
-"""One training step under sequence parallelism (`parallel.sequence` = the number of ranks it is
-launched on), for many cases in one pair of processes: what tests/test_sequence_parallel.py
-compares with a one-process step on the whole rows.
+"""One training step under sequence parallelism (`parallel.sequence=2`), for many cases in one
+launch: what tests/test_sequence_parallel.py compares with a one-process step on the whole rows.
 
     deepspeed --num_gpus 2 tests/sequence_parallel_steps.py BATCH.pt OUT.pt CASE...
 
-BATCH.pt holds the `[B, T + 1]` block batch (every rank reads all of it: one sequence group). A
+BATCH.pt holds the `[B, T + 1]` block batch; each sequence group (ranks 2g, 2g + 1) reads its
+data-parallel share of the rows (on 2 ranks all of them, on 4 half each). A
 CASE is `ARCH:DESIGN:DATA:SCALING` (float64, plain PyTorch: the trainer's inputs, normaliser and
 loss, the gradients then averaged over the ranks as DeepSpeed averages them) or
 `zeroS:ARCH:DESIGN:DATA:SCALING` (fp32 through the DeepSpeed engine under ZeRO stage S, the
@@ -63,6 +63,12 @@ def overrides(cfg: ModelConfig) -> list[str]:
     return out
 
 
+def rows(batch: torch.Tensor, sp) -> torch.Tensor:
+    """This rank's sequence group's share of the rows."""
+    dp_rank, dp_size = dist.data_parallel(sp.size)
+    return batch.chunk(dp_size)[dp_rank]
+
+
 def float64_step(case: str, batch: torch.Tensor, sp) -> dict:
     """The trainer's arithmetic without DeepSpeed: inputs, normaliser, forward and backward on this
     rank's shard, then the mean of the ranks' gradients (DeepSpeed's reduction)."""
@@ -70,7 +76,7 @@ def float64_step(case: str, batch: torch.Tensor, sp) -> dict:
     torch.manual_seed(SEED)
     model = GPT(cfg).double()
     enable(model, sp)
-    inputs = model_inputs(batch, "cpu", EOS if cfg.doc_mask else None, (sp.rank, sp.size))
+    inputs = model_inputs(rows(batch, sp), "cpu", EOS if cfg.doc_mask else None, (sp.rank, sp.size))
     loss_tokens = loss_normaliser([inputs], 1)
     loss = model(**inputs, loss_tokens=loss_tokens)
     loss.backward()
@@ -96,7 +102,7 @@ def engine_step(case: str, batch: torch.Tensor, sp) -> dict:
     enable(model, sp)
     engine = build_engine(model, cfg, dist.world_size())
     eos = EOS if cfg.model.doc_mask else None
-    micro = [model_inputs(row, engine.device, eos, (sp.rank, sp.size)) for row in batch.split(1)]
+    micro = [model_inputs(row, engine.device, eos, (sp.rank, sp.size)) for row in rows(batch, sp).split(1)]
     totals = backward_micro_batches(engine, iter(micro), loss_normaliser(micro, grad_accum), grad_accum)
     loss_sum, tokens = dist.all_reduce([totals.loss_sum, totals.tokens])
     grads = {name: safe_get_full_grad(p).detach().cpu().clone() for name, p in engine.module.named_parameters()}
@@ -107,7 +113,7 @@ def engine_step(case: str, batch: torch.Tensor, sp) -> dict:
 def main(argv: list[str]) -> None:
     batch_path, out_path, *cases = strip_local_rank(argv)
     dist.init()
-    sp = dist.sequence_parallel(dist.world_size())
+    sp = dist.sequence_parallel(2)
     batch = torch.load(batch_path)
     results = {case: (engine_step if case.startswith("zero") else float64_step)(case, batch, sp) for case in cases}
     if dist.is_main():

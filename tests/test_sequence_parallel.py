@@ -78,19 +78,19 @@ def reference(case: str, rows: torch.Tensor) -> tuple[float, dict[str, torch.Ten
     return loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.slow
-def test_two_sequence_ranks_equal_one_process(tmp_path):
-    rows = batch()
-    shards = [model_inputs(rows, "cpu", None, (r, 2))["targets"] for r in (0, 1)]
-    assert [int((t != -100).sum()) for t in shards] == [32, 27]  # a local count would scale each rank's loss
+def launched(ranks: int, rows: torch.Tensor, cases: list[str], tmp_path: Path) -> dict:
+    """The script's results for `cases` on `ranks` gloo ranks (sequence groups of 2)."""
     path = tmp_path / "batch.pt"
     torch.save(rows, path)
-    cases = [*float64_cases(), *ENGINE_CASES]
-    done = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), str(SCRIPT), str(path),
-                           str(tmp_path / "out.pt"), *cases], cwd=REPO, env=clean_env(PYTHONPATH=str(REPO)),
+    done = subprocess.run(["deepspeed", "--num_gpus", str(ranks), "--master_port", str(_free_port()), str(SCRIPT),
+                           str(path), str(tmp_path / "out.pt"), *cases], cwd=REPO, env=clean_env(PYTHONPATH=str(REPO)),
                           capture_output=True, text=True, timeout=600)
     ok(done)
-    results = torch.load(tmp_path / "out.pt")
+    return torch.load(tmp_path / "out.pt")
+
+
+def compare(cases: list[str], rows: torch.Tensor, results: dict) -> None:
+    """Every case's loss and gradients against the one-process reference (1e-10; fp32 engine 1e-5)."""
     failed = []
     for case in cases:
         loss, grads = reference(case, rows)
@@ -100,6 +100,24 @@ def test_two_sequence_ranks_equal_one_process(tmp_path):
         if abs(got["loss"] - loss) > tol or worst > tol:
             failed.append(f"{case}: loss {got['loss']} vs {loss}, worst gradient difference {worst:.2e}")
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.slow
+def test_two_sequence_ranks_equal_one_process(tmp_path):
+    rows = batch()
+    shards = [model_inputs(rows, "cpu", None, (r, 2))["targets"] for r in (0, 1)]
+    assert [int((t != -100).sum()) for t in shards] == [32, 27]  # a local count would scale each rank's loss
+    cases = [*float64_cases(), *ENGINE_CASES]
+    compare(cases, rows, launched(2, rows, cases, tmp_path))
+
+
+@pytest.mark.slow
+def test_two_sequence_groups_of_two_equal_one_process(tmp_path):
+    """Four ranks: two data-parallel groups of two sequence ranks, one row each (groups, the
+    data-parallel share of the rows and the averaging over all four ranks)."""
+    cases = ["llama:alibi:docs:none", "neox:coca_strict:docs:dynamic", "zero3:llama:origin:docs:dynamic"]
+    rows = batch()
+    compare(cases, rows, launched(4, rows, cases, tmp_path))
 
 
 @pytest.mark.parametrize(("overrides", "words"), [

@@ -34,7 +34,7 @@ from test_train_e2e import (
 
 from model import GPT
 from model.designs import DESIGNS
-from run_checks import clean_env, losses, ok, val_losses
+from run_checks import clean_env, error_line, losses, ok, val_losses
 from train.checkpoint import complete_checkpoints, step_dir
 from train.config import ConfigError, compose, to_train_config
 from train.inputs import model_inputs
@@ -195,3 +195,16 @@ def test_a_deepspeed_run_with_two_sequence_ranks_logs_the_one_rank_losses_and_re
     assert sorted(logged) == list(range(1, 9))
     for step in logged:
         assert replayed[step] == pytest.approx(logged[step], abs=1e-5), (step, replayed, logged)
+
+
+@pytest.mark.slow
+def test_train_refuses_a_sequence_split_in_one_line(cache, tmp_path):
+    """`python -m train` itself: a row length P does not divide (at composition) and one rank for
+    P=2 (after the process group starts): one `error:` line each, exit 2, nothing written."""
+    run_dir = tmp_path / "run"
+    for overrides, words in ((["model.max_seq_len=33", "parallel.sequence=2"],
+                              "model.max_seq_len=33 is not divisible by parallel.sequence=2"),
+                             (["parallel.sequence=2"], "parallel.sequence=2 does not divide the world size 1")):
+        done = train(run_dir, cache, *overrides)
+        assert done.returncode == 2 and words in error_line(done), done.stderr[-2000:]
+    assert not run_dir.exists()

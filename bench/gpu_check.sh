@@ -21,6 +21,9 @@
 #   bench_attention  python -m bench.attention at 2K, 8K, 16K tokens, every design of the registry
 #                 (the bias designs ALiBi, KERPLE, FIRE, FoX on FlexAttention with captured parameters)
 #   bench_doc_mask   python -m bench.doc_mask: document-masked vs unmasked attention at 2K and 8K
+#   bench_sequence_parallel  python -m bench.sequence_parallel: per-rank peak memory and step time
+#                 of one row at 16K, 32K, 64K tokens, one GPU (P=1) vs two (P=2, NCCL); skipped,
+#                 saying so, on a machine with one GPU
 #   bench_train_compiled  the same as bench_train with our blocks compiled, if time is left
 # tokens/s and MFU are the medians of the trainer's own per-step metrics after step 5; peak memory
 # is the trainer's (torch.cuda.max_memory_allocated).
@@ -61,6 +64,7 @@ if [ "$dry" = 1 ]; then
   bench_attention=(--lengths 128 --repeats 1 --heads 2 --variants origin alibi)
   bench_doc_mask=(--lengths 128 --repeats 1 --heads 2 --tokens 256 --attentions origin alibi --vocab-size 512 --memory-repeats 1
                 --sample-docs 60)
+  bench_sp=(--lengths 256 512 --width 64 --heads 2)
   caps=(env=90 train=180 bench=180)  # generous: only a hang should reach them on a busy CPU
 else
   # The preset's model (350m, 512 tokens, bf16, activation checkpointing) and micro batch of 16,
@@ -71,6 +75,7 @@ else
   bench_train=(--flavors 125m --steps 10 --vocab-size 50304)
   bench_attention=(--lengths 2048 8192 16384 --repeats 3)
   bench_doc_mask=(--lengths 2048 8192 --repeats 3)
+  bench_sp=(--device cuda --lengths 16384 32768 65536 --layers 4 --width 1024 --heads 16 --repeats 3)
   caps=(env=90 train=150 bench=150)
 fi
 [ -n "${CAPS:-}" ] && read -ra caps <<< "$CAPS"  # e.g. CAPS="env=600 train=900 bench=900" on a busy CPU
@@ -177,6 +182,14 @@ bench_stage() {
 bench_stage bench_train "$py" -m bench.train "${bench_train[@]}"
 bench_stage bench_attention "$py" -m bench.attention "${bench_attention[@]}"
 bench_stage bench_doc_mask "$py" -m bench.doc_mask "${bench_doc_mask[@]}" --cache-dir "$work/cache"
+if wanted bench_sequence_parallel; then
+  gpus=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [ "$dry" != 1 ] && [ "${gpus:-0}" -lt 2 ]; then
+    report --stage bench_sequence_parallel --skipped "sequence parallelism (P=2) needs 2 GPUs; this machine has $gpus"
+  else
+    bench_stage bench_sequence_parallel "$py" -m bench.sequence_parallel "${bench_sp[@]}"
+  fi
+fi
 if [ "$dry" = 1 ]; then
   wanted bench_train_compiled && report --stage bench_train_compiled --skipped "dry run: compiling on a 2-core CPU takes minutes"
 else

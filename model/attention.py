@@ -35,6 +35,7 @@ from .config import ModelConfig
 from .designs import RopeTables
 from .designs.base import ScoreBias
 from .documents import Documents, causal_segments, segment_attention
+from .sequence_parallel import SequenceParallel
 
 # On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
 # ~30 s once per process plus a few seconds per new length; below this query length the chunked
@@ -369,6 +370,7 @@ class CausalSelfAttention(nn.Module):
             self.v = nn.Linear(cfg.n_embd, kv, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
         self.score_bias = self.design.bias(cfg.n_head, cfg.n_embd) if self.design.bias else None
+        self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D]; k (or CoCA's t) and v [B, n_kv_head, T, D]."""
@@ -402,9 +404,14 @@ class CausalSelfAttention(nn.Module):
             k, v, terms = cache.append(k, v, terms)
         if queries:
             q, T = q[..., -queries:, :], queries
-        bias = None if score_bias is None else LayerBias(score_bias, terms)
+        sp, heads = self.sequence_parallel, slice(None)
+        if sp is not None:  # this rank's tokens -> this rank's heads over the whole row (and back below)
+            q, k, v, terms, heads = sp.attention_inputs(q, k, v, terms, self.n_head)
+        bias = None if score_bias is None else LayerBias(score_bias, terms, heads=heads)
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
             capture.append(AttentionInputs(q, k_eff, bias, self.design.window))
         y = causal_attention(q, k, v, bias, documents, self.design.window)
+        if sp is not None:
+            y = sp.to_sequence(y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -28,6 +28,7 @@ from .designs.temperature import length_temperature
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
 from .sampling import check_sampling, next_token
+from .sequence_parallel import SequenceParallel
 
 
 def norm(cfg: ModelConfig) -> nn.Module:
@@ -148,6 +149,7 @@ class GPT(nn.Module):
             if cfg.design.rope
             else None
         )
+        self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.apply(lambda module: init_weights(module, cfg.init_std))
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -170,8 +172,14 @@ class GPT(nn.Module):
         close to one block's work less (the passkey scorer needs a few positions of 8K)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be [batch, tokens], got shape {tuple(idx.shape)}")
-        masked = self.cfg.doc_mask and documents is not None
-        documents = Documents(documents, self.cfg.doc_positions) if masked else None
+        sp = self.sequence_parallel
+        if sp is not None and (cache is not None or capture is not None or keep):
+            raise ValueError("sequence parallelism shards training rows: the KV cache, capture_qk and "
+                             "logits_to_keep run on one rank")
+        if self.cfg.doc_mask and documents is not None:  # under sequence parallelism: the whole rows'
+            documents = Documents(documents if sp is None else sp.documents(documents), self.cfg.doc_positions)
+        else:
+            documents = None
         if documents is not None and cache is not None:
             raise ValueError("document masking is for packed rows; a KV cache continues one document")
         T = idx.shape[1]
@@ -184,11 +192,12 @@ class GPT(nn.Module):
                 rows = min(keep, T) if keep > 0 else T
                 return self.hidden_states(tokens, cache, capture, keep=rows)[:, -rows:]
             cache.record(idx)
-        length = past + T
+        first, length = (past, past + T) if sp is None else sp.span(T)  # global positions and length
         x = self.wte(idx)
         per_document = documents is not None and self.cfg.doc_positions
         # [B, T] (per row; heads broadcast) or [T]
-        at = positions(documents.ids) if per_document else torch.arange(past, length, device=idx.device)
+        at = positions(documents.ids)[:, first : first + T] if per_document else torch.arange(first, first + T,
+                                                                                             device=idx.device)
         rope = None
         if self.rope is not None:
             cos, sin = self.rope.tables(at, length, x.dtype)

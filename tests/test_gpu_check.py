@@ -22,7 +22,7 @@ from bench import gpu_check
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("origin", "alibi", "coca", "coca_strict")
 STAGES = ["env", *(f"z2_{v}" for v in VARIANTS), "z3_coca", "resume", "bench_train", "bench_attention",
-          "bench_doc_mask", "bench_train_compiled"]
+          "bench_doc_mask", "bench_sequence_parallel", "bench_train_compiled"]
 OUT_FILES = {"summary.md", "results.jsonl", "metrics.jsonl", "bench.md", "env.txt", "log.txt"}
 
 
@@ -81,8 +81,9 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     bench = (out / "bench.md").read_text()
     assert "| model | batch x tokens |" in bench and "## bench_attention" in bench
     assert "| N | B | documents / row | attention |" in bench and "## bench_doc_mask" in bench
+    assert "| tokens | P=1 peak MiB |" in bench and "## bench_sequence_parallel" in bench
     summary = (out / "summary.md").read_text()
-    assert "RESULT: 10 stages ok; skipped: bench_train_compiled" in summary
+    assert "RESULT: 11 stages ok; skipped: bench_train_compiled" in summary
 
 
 def _metrics(run_dir: Path, losses: list[float], start: int = 1) -> Path:

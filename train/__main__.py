@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from data.cli import exit_code
 from errors import EXIT_INPUT, UserError, report_error
 from train.config import ConfigError, TrainConfig, compose, to_train_config
-from train.distributed import strip_local_rank
+from train.distributed import check_sequence, strip_local_rank
 
 USAGE = """usage: python -m train [--cfg job] [key=value | group=option ...]
   groups: model (tiny, 125m, 350m, 1.3b), data, optim, deepspeed (zero0..zero3, zero3_offload),
@@ -47,9 +47,11 @@ def _split_args(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def check_world_size(cfg: TrainConfig, world_size: int) -> None:
-    """The global batch splits over this many ranks (a `ConfigError`, said once by rank 0, if not)."""
+    """parallel.sequence divides this many ranks and the global batch splits over the data-parallel
+    ones (a `ConfigError`, said once by rank 0, if not)."""
+    check_sequence(cfg.parallel.sequence, world_size)
     try:
-        cfg.grad_accum(world_size)
+        cfg.grad_accum(world_size // cfg.parallel.sequence)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

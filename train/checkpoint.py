@@ -157,8 +157,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(engine, run_dir: str | Path, step: int, client_state: dict[str, Any], files: dict[str, bytes],
          keep_last: int, before_commit: Optional[Callable[[], None]] = None,
-         in_prune: Optional[Callable[[], None]] = None) -> Path:
+         in_prune: Optional[Callable[[], None]] = None, sequence: int = 1) -> Path:
     """Write checkpoint `step` on every rank, then make it visible atomically and prune old ones.
+    The marker records `sequence` (parallel.sequence) beside the world size: together they say
+    which ranks' loader states are the data-parallel ones (`train.restore.plan_resume`).
 
     `files` (name -> content: the resolved config, the tokenizer) are written by rank 0.
     `before_commit` runs on every rank after all files are written and before the marker;
@@ -178,7 +180,7 @@ def save(engine, run_dir: str | Path, step: int, client_state: dict[str, Any], f
     if dist.is_main():
         for name, content in files.items():
             (tmp / name).write_bytes(content)
-        marker = {"step": step, "world_size": dist.world_size(), "precision": _precision(engine),
+        marker = {"step": step, "world_size": dist.world_size(), "sequence": sequence, "precision": _precision(engine),
                   "zero_stage": int(engine.zero_optimization_stage()), "files": _file_sizes(tmp)}
         _write_synced(tmp / MARKER, json.dumps(marker))
         if final.exists():  # the same step saved again (a resume from an older checkpoint)

@@ -33,11 +33,13 @@ class Checkpointer:
     """Saves every `ckpt_every` steps, at the last step, and on a stop request."""
 
     def __init__(self, engine, loader, run_dir: Path, files: dict[str, bytes], *, every: int, last: int,
-                 keep_last: int, layout_step: int, faults: FaultInjector, say: Callable[[str], None]):
+                 keep_last: int, layout_step: int, faults: FaultInjector, say: Callable[[str], None],
+                 sequence: int = 1):
         self.engine, self.loader, self.run_dir, self.files = engine, loader, run_dir, files
         self.every, self.last, self.keep_last = every, last, keep_last
         self.layout_step = layout_step  # where the data layout began (`data.stream.PackedStream`)
         self.faults, self.say = faults, say
+        self.sequence = sequence  # parallel.sequence, recorded in the marker (`train.restore`)
         self.last_saved: Path | None = None
 
     def client_state(self, progress: Progress) -> dict[str, Any]:
@@ -47,7 +49,7 @@ class Checkpointer:
     def save(self, progress: Progress) -> Path:
         path = checkpoint.save(self.engine, self.run_dir, progress.step, self.client_state(progress),
                                self.files, self.keep_last, before_commit=self.faults.in_checkpoint(progress.step),
-                               in_prune=self.faults.in_prune(progress.step))
+                               in_prune=self.faults.in_prune(progress.step), sequence=self.sequence)
         self.say(f"saved {path}")
         self.last_saved = path
         return path

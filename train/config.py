@@ -22,6 +22,7 @@ from data.config import DataConfig
 from errors import ConfigError
 from model.config import FLAVORS, ModelConfig, flavor
 from model.convert import T_INITS
+from model.sequence_parallel import sequence_refusal
 
 __all__ = ["ConfigError", "TrainConfig", "compose", "register_configs", "to_train_config"]  # ConfigError: errors.py
 
@@ -143,11 +144,27 @@ class DebugConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the ranks share the work.
+
+    sequence: P consecutive ranks share every row, each holding a contiguous 1/P of its tokens
+      (DeepSpeed-Ulysses: `model.sequence_parallel`); data parallelism runs over world size / P
+      groups. 1: every rank holds whole rows (plain data parallelism).
+    """
+
+    sequence: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least("parallel.sequence", self.sequence, 1)
+
+
+@dataclass
 class TrainConfig:
     """One training run. The training length is `model.max_seq_len`.
 
-    batch_size: global sequences per optimizer step; micro_batch_size: per rank per forward.
-    Gradient accumulation is batch_size / (micro_batch_size * world size).
+    batch_size: global sequences per optimizer step; micro_batch_size: per data-parallel rank per
+    forward. Gradient accumulation is batch_size / (micro_batch_size * data-parallel size), the
+    data-parallel size being world size / parallel.sequence.
     resume: null (fresh run), auto (newest complete checkpoint in run_dir, if any) or a path.
     init_from: a run or checkpoint directory, or a Hugging Face directory, whose weights (only)
         start this run; with another `model.attention` they are converted (`model.convert`).
@@ -167,6 +184,7 @@ class TrainConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     name: str = "tiny"
     run_dir: str = "runs/${name}"
     seed: int = 42
@@ -199,15 +217,23 @@ class TrainConfig:
         if self.continues and self.resume is None and self.init_from is None:
             raise ValueError(f"{self.name} continues a trained model: give init_from=<run, checkpoint or Hugging "
                              "Face directory> (or resume=auto to continue this run)")
+        refusal = sequence_refusal(self.parallel.sequence, self.model.n_head, self.model.kv_heads,
+                                   self.model.max_seq_len)
+        if refusal:
+            raise ValueError(refusal)
 
-    def grad_accum(self, world_size: int) -> int:
-        """Micro-batches per optimizer step on each rank, for this world size."""
-        per_step = self.micro_batch_size * world_size
+    def grad_accum(self, data_parallel: int) -> int:
+        """Micro-batches per optimizer step on each rank, for this data-parallel size (the world
+        size / parallel.sequence)."""
+        per_step = self.micro_batch_size * data_parallel
         if self.batch_size % per_step:
+            sp = self.parallel.sequence
+            ranks = (f"world size {data_parallel}: run on a number of ranks" if sp == 1 else
+                     f"data-parallel size {data_parallel} (world size {data_parallel * sp} / parallel.sequence={sp}): "
+                     f"run on parallel.sequence x a number")
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by micro_batch_size={self.micro_batch_size} "
-                f"x world size {world_size}: run on a number of ranks that divides "
-                f"{self.batch_size // self.micro_batch_size}, or change batch_size"
+                f"x {ranks} that divides {self.batch_size // self.micro_batch_size}, or change batch_size"
             )
         return self.batch_size // per_step
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from errors import UserError
+from errors import ConfigError, UserError
+from model.sequence_parallel import SequenceParallel
 
 _LOCAL_RANK_ARG = re.compile(r"^--local[_-]rank(=(\d+))?$")
 _OP_BANNER = re.compile(r"^DeepSpeed \S+ built successfully$")
@@ -202,6 +203,33 @@ def world_size() -> int:
 
 def is_main() -> bool:
     return rank() == 0
+
+
+def data_parallel(sequence: int) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel size) when `sequence` consecutive ranks
+    share every row (`parallel.sequence`): what the loader shards by and accumulation counts."""
+    return rank() // sequence, world_size() // sequence
+
+
+def check_sequence(sequence: int, world: int) -> None:
+    """`parallel.sequence` must divide the world size (a `ConfigError`, the same on every rank)."""
+    if world % sequence:
+        raise ConfigError(f"parallel.sequence={sequence} does not divide the world size {world}: launch a "
+                          f"multiple of {sequence} ranks, or set parallel.sequence to a divisor of {world}")
+
+
+def sequence_parallel(sequence: int) -> SequenceParallel | None:
+    """This rank's sequence-parallel group (ranks r - r % P .. r - r % P + P - 1), or None for P = 1.
+    Every rank creates every group, in the same order (torch's rule for `new_group`)."""
+    check_sequence(sequence, world_size())
+    if sequence == 1:
+        return None
+    mine = None
+    for first in range(0, world_size(), sequence):
+        group = dist.new_group(list(range(first, first + sequence)))
+        if first <= rank() < first + sequence:
+            mine = group
+    return SequenceParallel(mine, sequence, rank() % sequence)
 
 
 def barrier() -> None:

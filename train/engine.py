@@ -51,9 +51,15 @@ def check_precision_supported(precision: str) -> None:
 
 
 def deepspeed_config(cfg: TrainConfig, world_size: int, *, load_universal: bool = False) -> dict[str, Any]:
-    """The DeepSpeed JSON of this run for `world_size` data-parallel ranks; `load_universal` when it
-    resumes from a checkpoint written by another world size (`train.elastic`)."""
+    """The DeepSpeed JSON of this run on `world_size` ranks; `load_universal` when it resumes from a
+    checkpoint written by another world size (`train.elastic`).
+
+    DeepSpeed is not told about sequence parallelism: to it each of the world's ranks is a
+    data-parallel rank training on row shards (a "sample" is 1/P of a row, so its batch is
+    batch_size x P of them), which ZeRO partitions over and averages gradients over in every stage.
+    `train.trainer.loss_normaliser` divides by the whole world size for that reason."""
     ds = cfg.deepspeed
+    sequence = cfg.parallel.sequence
     precision = resolve_precision(ds.precision)
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
@@ -61,9 +67,9 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, *, load_universal: bool 
     if ds.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     config = {
-        "train_batch_size": cfg.batch_size,
+        "train_batch_size": cfg.batch_size * sequence,
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum(world_size),
+        "gradient_accumulation_steps": cfg.grad_accum(world_size // sequence),
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},

@@ -11,15 +11,24 @@ import torch
 from data.synthetic import document_ids, split_block
 
 
-def model_inputs(batch: torch.Tensor, device: torch.device | str,
-                 documents_eos: Optional[int] = None) -> dict[str, torch.Tensor]:
+def model_inputs(batch: torch.Tensor, device: torch.device | str, documents_eos: Optional[int] = None,
+                 shard: tuple[int, int] = (0, 1)) -> dict[str, torch.Tensor]:
     """`GPT.forward`'s keyword arguments for a loader batch, on `device`: `idx` and `targets`
     (-100 where a synthetic row's token is input only, `data.synthetic.split_block`); with
-    `documents_eos` (document masking on: the tokenizer's EOS), each token's `documents` id too."""
+    `documents_eos` (document masking on: the tokenizer's EOS), each token's `documents` id too.
+
+    shard (index, count): under sequence parallelism (`parallel.sequence` = count) the contiguous
+    index-th 1/count of every row's tokens, cut after targets are shifted and document ids counted
+    on the whole row, so a shard's last target is the next shard's first token and its ids are
+    the row's."""
     idx, targets = split_block(batch.to(device))
-    if documents_eos is None:
-        return {"idx": idx, "targets": targets}
-    return {"idx": idx, "targets": targets, "documents": document_ids(idx, documents_eos)}
+    inputs = {"idx": idx, "targets": targets}
+    if documents_eos is not None:
+        inputs["documents"] = document_ids(idx, documents_eos)
+    index, count = shard
+    if count == 1:
+        return inputs
+    return {name: value.chunk(count, dim=1)[index] for name, value in inputs.items()}
 
 
 def documents_eos(cfg, tokenizer) -> Optional[int]:

@@ -49,35 +49,38 @@ class ResumePlan:
     """A resume, read before the engine and the loader are built (both depend on it)."""
 
     ckpt: Path
-    client: dict[str, Any]  # this rank's client state; rank 0's when the world size changed
-    same_world: bool
+    client: dict[str, Any]  # this rank's client state; rank 0's when the layout changed
+    same_layout: bool  # the world size and parallel.sequence that wrote the checkpoint
     universal: bool  # ZeRO state re-sliced through DeepSpeed's universal format (`train.elastic`)
     layout_step: int  # the step the data layout began at (`data.stream.PackedStream`)
     carry: dict | None  # where the new ranks' data streams start, when the world size changed
 
 
 def plan_resume(ckpt: Path, cfg: TrainConfig, tokenizer, faults: FaultInjector) -> ResumePlan:
-    """Read the checkpoint's client state; on another world size, convert the ZeRO state once and
-    work out where the new ranks' data streams start from every old rank's loader state."""
+    """Read the checkpoint's client state; on another world size or `parallel.sequence`, convert the
+    ZeRO state once (another world size under ZeRO 1-3: DeepSpeed partitions over every rank) and
+    work out where the new data-parallel ranks' streams start from every old one's loader state
+    (the first rank of each old sequence group: its group shared its rows)."""
     rank, world = dist.rank(), dist.world_size()
-    written_by = checkpoint.marker(ckpt)["world_size"]
-    if written_by == world:
+    written = checkpoint.marker(ckpt)
+    written_by, written_sequence = written["world_size"], written.get("sequence", 1)
+    if (written_by, written_sequence) == (world, cfg.parallel.sequence):
         client = checkpoint.client_state(ckpt, rank)
         return ResumePlan(ckpt, client, True, False, client.get("layout_step", 0), None)
     universal = elastic.needs_universal(written_by, world, cfg.deepspeed.zero_stage)
     if universal:
         elastic.universal_checkpoint(ckpt, before_commit=faults.in_conversion())
-    clients = [checkpoint.client_state(ckpt, r) for r in range(written_by)]
+    clients = [checkpoint.client_state(ckpt, r) for r in range(0, written_by, written_sequence)]
     carry = continuation(cfg.data, tokenizer, cfg.model.max_seq_len, [client["loader"] for client in clients])
     return ResumePlan(ckpt, clients[0], False, universal, clients[0]["step"], carry)
 
 
 def restore(plan: ResumePlan, engine, loader, cfg: TrainConfig) -> Progress:
-    """Load the engine, then this rank's RNG and data position (or, on another world size, reseed:
-    the old ranks' RNG streams do not map onto the new ranks)."""
+    """Load the engine, then this rank's RNG and data position (or, on another layout, reseed: the
+    old ranks' RNG streams do not map onto the new ranks)."""
     checkpoint.load(engine, plan.ckpt, universal=plan.universal)
     client = plan.client
-    if plan.same_world:
+    if plan.same_layout:
         checkpoint.set_rng_state(client["rng"])
         loader.load_state_dict(client["loader"])
     else:

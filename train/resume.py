@@ -57,6 +57,7 @@ RULES: dict[str, tuple[str, str]] = {
     "init_from": (HONOUR, "exclusive with resume"),
     "t_init": (HONOUR, "acts only when init_from starts a run"),
     "continues": (HONOUR, "checked when a run starts"),
+    "parallel.sequence": (HONOUR, "the data-parallel layout is re-planned, as for another world size"),
     "model": (REFUSE, _FUNCTION),
     "model.arch": (REFUSE, "it fixes the parameter shapes"),
     "model.vocab_size": (REFUSE, "it fixes the parameter shapes"),

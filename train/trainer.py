@@ -29,6 +29,7 @@ from hf.imports import HFImportError, combine
 from hf.imports import state_dict as hf_state_dict
 from model import GPT
 from model.convert import convert
+from model.sequence_parallel import SequenceParallel, enable
 from train import checkpoint, resume
 from train import distributed as dist
 from train.checkpointer import Checkpointer, Progress
@@ -72,6 +73,7 @@ class Trainer:
     faults: FaultInjector
     stop: StopRequest
     eos: Optional[int] = None  # document masking: the EOS that numbers a row's documents
+    shard: tuple[int, int] = (0, 1)  # this rank's share of every row: (index, parallel.sequence)
     consecutive_skips: int = 0
     val_loss: Optional[float] = None  # the newest validation loss
     batches: Any = field(init=False)
@@ -87,7 +89,7 @@ class Trainer:
         """One optimizer step on the global batch's token-mean loss (see `backward_micro_batches`)."""
         cfg, engine, progress = self.cfg, self.engine, self.progress
         lr = engine.get_lr()[0]
-        grad_accum = cfg.grad_accum(dist.world_size())
+        grad_accum = cfg.grad_accum(dist.data_parallel(cfg.parallel.sequence)[1])
         step = progress.step + 1
         planned = [self._next_micro_batch(step) for _ in range(grad_accum)]
         totals = backward_micro_batches(engine, self._micro_batches(step, planned),
@@ -112,7 +114,7 @@ class Trainer:
     def _next_micro_batch(self, step: int) -> dict[str, torch.Tensor]:
         batch = next(self.batches)
         self.faults.on_batch(step, batch)
-        return model_inputs(batch, self.engine.device, self.eos)
+        return model_inputs(batch, self.engine.device, self.eos, self.shard)
 
     def _micro_batches(self, step: int, planned: list[dict[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
         """The step's planned micro-batches, then the loader's next ones (replacing skipped ones)."""
@@ -192,7 +194,12 @@ def loss_normaliser(planned: Sequence[dict[str, torch.Tensor]], grad_accum: int)
     `gradient_reduction_w_predivide`, ZeRO 3 `__avg_scatter_contiguous_grads`: a division by the
     data-parallel world size, `gradient_predivide_factor` 1), so the step's gradient is that of
     (sum of token losses over the global batch) / N whatever the micro-batch size, accumulation and
-    world size. A global batch with no counted target has loss and gradient 0 (N taken as 1)."""
+    world size. A global batch with no counted target has loss and gradient 0 (N taken as 1).
+
+    The world size, not the data-parallel size: under sequence parallelism each rank counts and
+    trains on its shard of the rows (a parameter's gradient is the sum of its ranks' parts), and
+    DeepSpeed, told nothing of the sequence groups, averages every rank alike, so the same division
+    leaves sum / N in every ZeRO stage (`train.engine.deepspeed_config`)."""
     local = float(sum(counted_targets(inputs) for inputs in planned))
     (total,) = dist.all_reduce([local])
     return max(total, 1.0) / (grad_accum * dist.world_size())
@@ -297,13 +304,15 @@ def _source_tokenizer(cfg: TrainConfig, source: checkpoint.ModelSource):
     return tokenizer
 
 
-def _build_model(cfg: TrainConfig, checked: _Checked) -> GPT:
+def _build_model(cfg: TrainConfig, checked: _Checked, sp: Optional[SequenceParallel]) -> GPT:
     """The model, with the weights of `init_from` (a checkpoint's, or a Hugging Face directory's,
-    read in fp32) when given: a fresh run from them (step 0, a new optimizer)."""
+    read in fp32) when given: a fresh run from them (step 0, a new optimizer); with `sp`, running on
+    this rank's shard of every row (`model.sequence_parallel`)."""
     checkpoint.seed_all(cfg.seed)
     model = GPT(cfg.model)
     if checked.init_from is not None:
         model.load_state_dict(_initial_state(cfg, checked))
+    enable(model, sp)
     if cfg.compile:
         model.compile_blocks()
     return model
@@ -360,14 +369,17 @@ def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
     """Check, build, restore, then write the run's files and open its reporter."""
     checked = _checks(cfg)
     faults = FaultInjector(cfg.debug)
-    model = _build_model(cfg, checked)
+    sp = dist.sequence_parallel(cfg.parallel.sequence)
+    shard = (sp.rank, sp.size) if sp is not None else (0, 1)
+    model = _build_model(cfg, checked, sp)
     plan = plan_resume(checked.resume_from, cfg, checked.tokenizer, faults) if checked.resume_from else None
     engine = build_engine(model, cfg, dist.world_size(), load_universal=plan is not None and plan.universal)
     layout_step = plan.layout_step if plan else 0
+    dp_rank, dp_size = dist.data_parallel(cfg.parallel.sequence)  # a sequence group reads the same rows
     loader = build_loader(cfg.data, checked.tokenizer, split="train", seq_len=cfg.model.max_seq_len,
-                          batch_size=cfg.micro_batch_size, rank=dist.rank(), world_size=dist.world_size(),
+                          batch_size=cfg.micro_batch_size, rank=dp_rank, world_size=dp_size,
                           layout_step=layout_step, carry=plan.carry if plan else None)
-    validator = Validator(cfg, checked.tokenizer)
+    validator = Validator(cfg, checked.tokenizer, shard)
     if plan is not None:
         progress = restore(plan, engine, loader, cfg)
     else:
@@ -386,9 +398,9 @@ def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
                          + (f" with changed settings: {', '.join(checked.changed)}" if checked.changed else ""))
     checkpointer = Checkpointer(engine, loader, run_dir, files, every=cfg.ckpt_every, last=cfg.max_steps,
                                 keep_last=cfg.keep_last, layout_step=layout_step, faults=faults,
-                                say=reporter.message)
+                                say=reporter.message, sequence=cfg.parallel.sequence)
     peak = device_peak_flops(resolve_precision(cfg.deepspeed.precision), cfg.logger.peak_flops)
     throughput = Throughput(progress.tokens, flops_per_token(cfg.model, cfg.model.max_seq_len), peak,
                             dist.world_size())
     return Trainer(cfg, engine, loader, progress, validator, checkpointer, reporter, throughput, faults, stop,
-                   documents_eos(cfg, checked.tokenizer))
+                   documents_eos(cfg, checked.tokenizer), shard=shard)

@@ -498,7 +498,7 @@ def test_lm_eval_runs_the_local_task(zero3, tmp_path):
 
 # model=llama_tiny shrunk by experiment=micro (as tests/test_model_llama.py's run), with 2 layers and
 # 4 query heads sharing 2 key/value heads; Origin with tied embeddings, CoCA slack untied.
-LLAMA_RUNS = {"origin": ["model.tie_embeddings=true"], "coca slack": ["model.attention=coca"]}
+LLAMA_RUNS = {"origin": ["model.tie_embeddings=true"], "coca-slack": ["model.attention=coca"]}
 
 
 @pytest.fixture(scope="module", params=list(LLAMA_RUNS))

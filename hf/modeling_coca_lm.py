@@ -115,7 +115,8 @@ class CocaLMConfig(PreTrainedConfig):
         self.attention = attention
         self.coca_form = coca_form
         self.design_params = dict(design_params or {})
-        design.params and design.params(**self.design_params)  # checks the values, naming the field
+        if design.params is not None:
+            design.params(**self.design_params)  # checks the values, naming the field
         self.length_temperature = length_temperature
         self.use_cache = use_cache
         self.rope_parameters = dict(rope_parameters or UNSCALED)

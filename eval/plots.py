@@ -266,6 +266,23 @@ def recall_figure(series: Series, train_len: int | None = None, design: str | No
     )
 
 
+# The CoCA paper's Table 1 (350M models trained at 512 tokens, PG-19) as perplexity ratios to the
+# 512-token value, at 1x, 2x, 4x, ... the training length; per panel (scaling) and design. Origin's
+# ratios (21 at 2x, then over 150) and the paper's infinities leave any axis these studies need.
+PAPER_PPL_RATIOS: dict[str, dict[str, list[float]]] = {
+    "none": {"alibi": [1.0, 21.27 / 18.69, 28.20 / 18.69, 35.66 / 18.69, 37.03 / 18.69],
+             "origin": [1.0, 411.50 / 19.66, 3276 / 19.66, 3026 / 19.66, 3028 / 19.66],
+             "coca": [1.0, 33.47 / 20.11, 69.06 / 20.11, 113.19 / 20.11, 157.38 / 20.11, 141.00 / 20.11,
+                      171.63 / 20.11]},
+    "dynamic": {"origin": [1.0, 22.30 / 19.66, 38.00 / 19.66, 75.75 / 19.66, 138.13 / 19.66, 370.75 / 19.66,
+                           380.75 / 19.66],
+                "coca": [1.0, 20.81 / 20.11, 25.88 / 20.11, 34.16 / 20.11, 55.75 / 20.11, 89.31 / 20.11,
+                         101.13 / 20.11]},
+}
+
+REFERENCE_TOP = 8.0  # a figure with a reference shows ratios up to at least this (log axis)
+
+
 def bands_figure(
     cells: Sequence[dict],
     title: str,
@@ -273,11 +290,15 @@ def bands_figure(
     train_len: int | None,
     log_y: bool = False,
     unit_range: bool = False,
+    reference: dict[str, dict[str, list[float]]] | None = None,
 ) -> Figure:
     """Seed mean against length with its 95% cluster-bootstrap band, one panel per scaling and one
     line per design (rows of `eval.aggregate.summarise` for one metric: `group`, `scaling`,
     `length`, `n`, `mean`, `low`, `high`). `unit_range` fixes the y-axis at 0..1 (accuracies); a
-    percentile bootstrap of accuracies stays inside it."""
+    percentile bootstrap of accuracies stays inside it. `reference` (e.g. `PAPER_PPL_RATIOS`):
+    per scaling kind (`none`, `dynamic`), design -> values at 1x, 2x, 4x, ... `train_len`, drawn
+    dashed in the design's colour up to the cells' longest length, on a log axis up to at least
+    `REFERENCE_TOP` (the paper's Origin leaves it at 2x)."""
     panels: dict[str, list[dict]] = {"none": []}
     for c in cells:
         panels.setdefault(c["scaling"], []).append(c)
@@ -304,11 +325,21 @@ def bands_figure(
                     [], [], marker="o", markersize=4, color=color, label=f"{design} ({n} seed{'s' * (n > 1)})"
                 ),
             )
+        if reference and train_len:
+            longest = max(lengths) // train_len
+            for design, values in reference.get(scaling.split(":")[0], {}).items():
+                shown = values[:longest.bit_length()]  # 1x .. the longest length of the cells
+                ax.plot([train_len * 2**i for i in range(len(shown))], shown, linestyle="--", linewidth=1,
+                        color=design_color(design))
+            ax.set_ylim(min(c["low"] if c["n"] > 1 else c["mean"] for c in rows) / 1.05,
+                        max(REFERENCE_TOP, *(c["high"] if c["n"] > 1 else c["mean"] for c in rows)) * 1.05)
         _length_axis(ax, lengths, train_len)
-        _value_axis(ax, ylabel, log_y, unit_range)
+        _value_axis(ax, ylabel, log_y or bool(reference), unit_range)
         ax.set_title(scaling_title(scaling), fontsize=10)
     band = Patch(color="grey", alpha=0.3, label="95% cluster-bootstrap\ninterval (seeds, then cases)")
-    _figure_legend(fig, list(handles.values()) + [band] + _train_len_handle(train_len))
+    extra = [Line2D([], [], color="grey", linestyle="--", linewidth=1,
+                    label="the paper's Table 1\n(350M, at 1x, 2x, ... its\ntraining length)")] if reference else []
+    _figure_legend(fig, list(handles.values()) + [band] + extra + _train_len_handle(train_len))
     fig.suptitle(f"{title}: seed mean per design")
     return fig
 

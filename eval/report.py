@@ -448,9 +448,10 @@ def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path, fami
     train_lens = set(design_lens.values())
     train_len = train_lens.pop() if len(train_lens) == 1 else None
     seeds = ", ".join(f"{name}: {len(group)}" for name, group in groups.items())
-    md = ["# Seed-aggregated comparison", "", f"Seeds per design: {seeds}. Cases per seed and cell: "
-          + ", ".join(f"{m} {c}" for m, c in _case_counts(rows).items() if m != "ppl_ratio")
-          + "; the perplexity ratio is one value per seed.", ""]
+    counts = ", ".join(f"{m} {c}" for m, c in _case_counts(rows).items() if m != "ppl_ratio")
+    md = ["# Seed-aggregated comparison", "", f"Seeds per design: {seeds}. "
+          + (f"Cases per seed and cell: {counts}; the" if counts else "The")
+          + " perplexity ratio is one value per seed.", ""]
     md += _family_markdown(registered, power, family, bar_only)
     bar = _bar_rows(groups, progress or {})
     if bar:
@@ -479,8 +480,9 @@ def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path, fami
                f"{len(pairs)} pairs tested, {_floor_note(pairs)}):", ""]
         md += _orderings([t for t in pairs if t["significant"]], lengths, metric in aggregate.LOWER_IS_BETTER)
         md += [""]
+        reference = plots.PAPER_PPL_RATIOS if metric == family.metric == "ppl_ratio" else None  # its study
         figure = plots.bands_figure(here, SEED_TITLES[metric], SEED_AXES[metric], train_len,
-                                    unit_range=metric != "ppl_ratio")
+                                    unit_range=metric != "ppl_ratio", reference=reference)
         written.append(plots.save(figure, out_dir / f"seeds_{metric}.png"))
     if attention:
         keys = list(aggregate.ATTENTION_STATS)

@@ -17,22 +17,28 @@
 #   launch/reproduce_study.sh logger.wandb=disabled        # extra arguments: Hydra overrides for training
 #   launch/reproduce_study.sh --print-eval                 # print the evaluation settings and exit
 #
-# Environment: RUNS (default runs/study), DESIGNS (default "origin coca coca_strict alibi"),
-# SEEDS (default: each design's pre-registered seeds 1..n), TEXT_ONLY (1: also the text-only run,
-# seed 1), STEPS (max_steps), JOBS (runs at once, default 2, each on one thread: on a small CPU two
-# one-thread jobs train faster than one two-thread job), EVAL (evaluation overrides replacing the
-# study's, space separated), SCALINGS (RoPE scalings evaluated, default [none,dynamic:8]; ALiBi: none).
-# RESULTS (default: none): a folder path where each finished run's evaluation JSON and passkey-progress
-# table (passkey at 1x of every checkpoint: the steps it took to the bar) are copied, and the report
-# is written; commit it, and the study continues on another machine where it stopped.
-# Resumable: a run published in RESULTS, a finished run (DONE) or evaluation (eval/DONE) is
-# skipped, an interrupted training continues from its newest checkpoint.
-# Logs: RUNS/logs/<design>_s<seed>.log.
+# Environment: RUNS (default runs/study), DESIGNS (default "origin coca coca_strict alibi": keys of
+# model/designs/registry.py), FAMILY (the pre-registration whose `seeds` size each design and whose
+# family the report tests, default conf/study/comparisons.yaml), PRESET (the training preset, default
+# study: conf/experiment/study_<design>.yaml where it exists, else study_origin with the design's
+# settings; any other preset, e.g. study_ppl, is trained with the design's settings), TASK (the
+# evaluation task, default all: with it the training bar and the bar_only report; ppl for perplexity
+# only), PUBLISHED (space-separated folders of runs already published elsewhere, e.g. the study's
+# docs/results/study for a report that compares new designs with its Origin seeds: a run found there
+# is reported, not retrained), SEEDS (default: each design's pre-registered seeds 1..n), TEXT_ONLY
+# (1: also the text-only run, seed 1), STEPS (max_steps), JOBS (runs at once, default 2, each on one
+# thread: on a small CPU two one-thread jobs train faster than one two-thread job), EVAL (evaluation
+# overrides replacing the study's, space separated), SCALINGS (RoPE scalings evaluated, default
+# [none,dynamic:8]; designs without RoPE: none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUNS=${RUNS:-runs/study}
 DESIGNS=${DESIGNS:-"origin coca coca_strict alibi"}
+FAMILY=${FAMILY:-conf/study/comparisons.yaml}
+PRESET=${PRESET:-study}
+TASK=${TASK:-all}
+PUBLISHED=${PUBLISHED:-}
 SEEDS=${SEEDS:-}
 TEXT_ONLY=${TEXT_ONLY:-1}
 JOBS=${JOBS:-2}
@@ -48,28 +54,57 @@ if [ "${1:-}" = --print-eval ]; then printf '%s\n' "$EVAL" "$SCALINGS"; exit 0; 
 mkdir -p "$RUNS/logs"
 if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
 
+training_args() {  # design: the experiment and the design's settings, one argument per line
+  if [ "$PRESET" = study ] && [ -f "conf/experiment/study_$1.yaml" ]; then echo "experiment=study_$1"; return; fi
+  if [ "$PRESET" = study ]; then echo "experiment=study_origin"; else echo "experiment=$PRESET"; fi
+  python -c 'import sys
+from model.designs.registry import DESIGNS
+design = DESIGNS.get(sys.argv[1])
+if design is None:
+    sys.exit("error: unknown design " + sys.argv[1] + " (one of: " + ", ".join(DESIGNS) + ")")
+for key, value in design.settings().items():
+    print("model." + key + "=" + value)' "$1"
+}
+
+scalings_of() {  # design: the RoPE scalings it is evaluated with (as trained only without RoPE)
+  python -c 'import sys
+from model.designs.registry import DESIGNS
+design = DESIGNS.get(sys.argv[1], DESIGNS["origin"])  # a preset of its own (text): Origin
+print(sys.argv[2] if design.rope else "[none]")' "$1" "$SCALINGS"
+}
+
+published_run() {  # design seed: the folder of its published run (RESULTS, then PUBLISHED), or nothing
+  local folder
+  for folder in $RESULTS $PUBLISHED; do
+    if [ -f "$folder/$1_s$2/DONE" ]; then echo "$folder/$1_s$2"; return; fi
+  done
+}
+
 one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, where set -e is off
-  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2" published="${RESULTS:+$RESULTS/$1_s$2}"
+  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2" published="${RESULTS:+$RESULTS/$1_s$2}" preset scalings
   shift 2
-  if [ -n "$published" ] && [ -f "$published/DONE" ]; then return 0; fi
+  if [ -n "$(published_run "$design" "$seed")" ]; then return 0; fi
   if [ ! -f "$run_dir/DONE" ]; then
-    python -m train experiment="study_$design" run_dir="$run_dir" name="study_${design}_s$seed" seed="$seed" \
+    preset=$(training_args "$design") || return 1
+    # shellcheck disable=SC2086  # one override per word
+    python -m train $preset run_dir="$run_dir" name="${PRESET}_${design}_s$seed" seed="$seed" \
       data.seed="$seed" resume=auto logger.progress=false ${STEPS:+max_steps=$STEPS} "$@" || return 1
     touch "$run_dir/DONE"
   fi
   if [ ! -f "$run_dir/eval/DONE" ]; then
-    local scalings=$SCALINGS
-    if [ "$design" = alibi ]; then scalings="[none]"; fi
+    scalings=$(scalings_of "$design") || return 1
     # shellcheck disable=SC2086  # EVAL is a list of overrides
-    python -m eval run="$run_dir" task=all scalings="$scalings" progress=false $EVAL || return 1
-    python -m bench.passkey_progress "$run_dir"/checkpoints/step_* --cases 60 \
-      > "$run_dir/eval/passkey_progress.md" || return 1
+    python -m eval run="$run_dir" task="$TASK" scalings="$scalings" progress=false $EVAL || return 1
+    if [ "$TASK" = all ]; then
+      python -m bench.passkey_progress "$run_dir"/checkpoints/step_* --cases 60 \
+        > "$run_dir/eval/passkey_progress.md" || return 1
+    fi
     touch "$run_dir/eval/DONE"
   fi
   if [ -n "$published" ]; then
     mkdir -p "$published"
-    cp "$run_dir"/eval/*.json "$run_dir"/eval/*.npz "$run_dir/eval/passkey_progress.md" "$run_dir/config.yaml" \
-      "$published/"
+    cp "$run_dir"/eval/*.json "$run_dir/config.yaml" "$published/"
+    if [ "$TASK" = all ]; then cp "$run_dir"/eval/*.npz "$run_dir/eval/passkey_progress.md" "$published/"; fi
     touch "$published/DONE"
   fi
 }
@@ -79,7 +114,7 @@ seeds_of() {  # design: $SEEDS, else 1 .. its pre-registered number of seeds (on
   python -c 'import sys, yaml
 n = yaml.safe_load(open(sys.argv[1]))["seeds"].get(sys.argv[2])
 sys.exit(f"error: design {sys.argv[2]} has no seeds in {sys.argv[1]}; set SEEDS") if n is None else print(*range(1, n + 1))' \
-    conf/study/comparisons.yaml "$1"
+    "$FAMILY" "$1"
 }
 
 plan=()  # seed by seed, so that every design has its first seeds published early
@@ -93,7 +128,7 @@ if [ "$TEXT_ONLY" = 1 ]; then plan+=("text 1"); fi
 
 for item in "${plan[@]}"; do
   read -r design seed <<< "$item"
-  if [ -n "$RESULTS" ] && [ -f "$RESULTS/${design}_s$seed/DONE" ]; then continue; fi  # published: keep its log
+  if [ -n "$(published_run "$design" "$seed")" ]; then continue; fi  # published: keep its log
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
   echo "== $design seed $seed -> $RUNS/${design}_s$seed (log: $RUNS/logs/${design}_s$seed.log)"
   ( one_run "$design" "$seed" "$@" > "$RUNS/logs/${design}_s$seed.log" 2>&1 \
@@ -105,12 +140,16 @@ runs=()
 failed=0
 for item in "${plan[@]}"; do
   read -r design seed <<< "$item"
-  if [ -n "$RESULTS" ] && [ -f "$RESULTS/${design}_s$seed/DONE" ]; then runs+=("$RESULTS/${design}_s$seed")
+  published=$(published_run "$design" "$seed")
+  if [ -n "$published" ]; then runs+=("$published")
   elif [ -f "$RUNS/${design}_s$seed/eval/DONE" ]; then runs+=("$RUNS/${design}_s$seed")
   else failed=1; fi
 done
 report=${RESULTS:-$RUNS/report}
-echo "== report -> $report, and on the runs past the training bar (exploratory) -> $report/bar_only"
-python -m eval.report "${runs[@]}" --out "$report"
-python -m eval.report "${runs[@]}" --bar-only --out "$report/bar_only"
+echo "== report -> $report"
+python -m eval.report "${runs[@]}" --family "$FAMILY" --out "$report"
+if [ "$TASK" = all ]; then
+  echo "== the report on the runs past the training bar (exploratory) -> $report/bar_only"
+  python -m eval.report "${runs[@]}" --family "$FAMILY" --bar-only --out "$report/bar_only"
+fi
 exit $failed

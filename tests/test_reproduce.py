@@ -105,6 +105,68 @@ def test_study_shortened(tmp_path: Path) -> None:
     assert (tmp_path / "results" / "seeds_summary.csv").read_text() == summary
 
 
+TINY_PERPLEXITY = """metric: ppl_ratio
+lengths: [512]
+comparisons:
+  - {a: nope, b: origin, scaling: none}
+  - {a: coca_strict, b: origin, scaling: "dynamic:8"}
+alpha: 0.05
+adjust: holm
+interval: cluster_bootstrap
+bootstrap_resamples: 200
+test: exact_permutation_over_seeds
+seeds: {origin: 2, nope: 2, coca_strict: 1}
+"""
+
+
+@pytest.mark.slow
+def test_perplexity_study_shortened(tmp_path: Path) -> None:
+    """The text-only preset with each design by one override (the registry's settings, CoCA strict's
+    form included), the file's seeds per design, perplexity only (RoPE designs also with dynamic
+    NTK 8), and the report testing the file's family."""
+    family = tmp_path / "family.yaml"
+    family.write_text(TINY_PERPLEXITY)
+    results = tmp_path / "results"
+    run_script("reproduce_perplexity.sh", tmp_path, DESIGNS="origin nope coca_strict", STEPS="3",
+               FAMILY=str(family), RESULTS=str(results), EVAL="ppl.lengths=[256,512] ppl.n_docs=1")
+    runs = {"origin_s1": "origin", "origin_s2": "origin", "nope_s1": "nope", "nope_s2": "nope",
+            "coca_strict_s1": "coca"}
+    assert sorted(p.name for p in tmp_path.glob("*_s*")) == sorted(runs)
+    for run, attention in runs.items():
+        cfg = (tmp_path / run / "config.yaml").read_text()
+        design = run.rsplit("_s", 1)[0]
+        assert f"attention: {attention}" in cfg and f"name: study_ppl_{run}" in cfg and "max_steps: 3" in cfg
+        assert "kind: synthetic" not in cfg  # text only
+        assert ("coca_form: strict" in cfg) == (design == "coca_strict")
+        assert sorted(p.name for p in (results / run).iterdir()) == ["DONE", "config.yaml", "ppl.json"]
+        rows = json.loads((results / run / "ppl.json").read_text())["rows"]
+        assert {r["scaling"] for r in rows} == ({"none"} if design == "nope" else {"none", "dynamic:8"})
+    with open(results / "seeds_family.csv") as f:
+        family_rows = list(csv.DictReader(f))
+    assert [(r["a"], r["b"], r["scaling"], r["tested"]) for r in family_rows] == [
+        ("nope", "origin", "none", "True"), ("coca_strict", "origin", "dynamic:8", "True")]
+    assert not (results / "bar_only").exists()
+
+
+@pytest.mark.slow
+def test_new_designs_compared_with_published_origin_runs(tmp_path: Path) -> None:
+    """The retrieval arm for new designs trains only them (the study's preset with the design's
+    attention) and reports them beside Origin runs published elsewhere, which are not retrained."""
+    published = tmp_path / "study"
+    shutil.copytree(ROOT / "docs" / "results" / "study" / "origin_s1", published / "origin_s1")
+    results = tmp_path / "results"
+    run_script("reproduce_designs.sh", tmp_path, DESIGNS="origin kerple", SEEDS="1", STEPS="3",
+               PUBLISHED=str(published), RESULTS=str(results),
+               EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
+               "recall.lengths=[256] recall.n_cases=1 attention.length=256")
+    assert not (tmp_path / "origin_s1").exists() and not (results / "origin_s1").exists()
+    cfg = (tmp_path / "kerple_s1" / "config.yaml").read_text()
+    assert "attention: kerple" in cfg and "name: study_kerple_s1" in cfg and "kind: synthetic" in cfg
+    assert (results / "kerple_s1" / "passkey_progress.md").exists()
+    summary = (results / "seeds_summary.csv").read_text()
+    assert ",origin,none,256," in summary and ",kerple,none,256," in summary
+
+
 TINY_EXTENSION = """metric: passkey
 lengths: [1024]
 comparisons:

@@ -1,0 +1,46 @@
+"""`python -m eval.replicate`: two evaluations of one run compared case for case."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from eval import replicate
+
+PUBLISHED = Path(__file__).resolve().parents[1] / "docs" / "results" / "study" / "origin_s1"
+
+
+def _copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("passkey.json", "ppl.json"):
+        shutil.copy(PUBLISHED / name, copy / name)
+    return copy
+
+
+def test_a_run_agrees_with_itself(tmp_path, capsys):
+    assert replicate.main([str(PUBLISHED), str(_copy(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "1200 of 1200 cases predict the same tokens" in out and "difference +0.00e+00" in out
+
+
+def test_a_changed_prediction_and_perplexity_are_reported(tmp_path, capsys):
+    copy = _copy(tmp_path)
+    passkey = json.loads((copy / "passkey.json").read_text())
+    passkey["cases"][7]["teacher_pred"] = [1, 2, 3]
+    (copy / "passkey.json").write_text(json.dumps(passkey))
+    ppl = json.loads((copy / "ppl.json").read_text())
+    ppl["rows"][3]["ppl"] *= 1.5
+    (copy / "ppl.json").write_text(json.dumps(ppl))
+    assert replicate.main([str(PUBLISHED), str(copy)]) == 1
+    out = capsys.readouterr().out
+    case = passkey["cases"][7]
+    assert "1199 of 1200" in out and f"case 7 ({case['scaling']}, {case['length']} tokens" in out
+    assert f"+5.00e-01 ({ppl['rows'][3]['scaling']}, {ppl['rows'][3]['length']} tokens)" in out
+
+
+def test_other_prompts_are_an_error_not_a_comparison(tmp_path, capsys):
+    other = PUBLISHED.with_name("origin_s2")
+    assert replicate.main([str(PUBLISHED), str(other)]) == 2
+    assert "case 0: different prompts" in capsys.readouterr().err

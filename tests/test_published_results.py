@@ -40,6 +40,8 @@ def _study() -> list[Path]:
 
 REPORTS = {
     "pilot": (lambda: sorted(RESULTS.joinpath("pilot").glob("*_s?")), aggregate.FAMILY_FILE),
+    "perplexity/pilot": (lambda: _study_runs(RESULTS / "perplexity" / "pilot", ("origin",)),
+                         aggregate.FAMILY_FILE.with_name("perplexity.yaml")),
     "extension": (_extension_runs, aggregate.FAMILY_FILE.with_name("extension.yaml")),
     "study": (_study, aggregate.FAMILY_FILE),
     "study/bar_only": (_study, aggregate.FAMILY_FILE),

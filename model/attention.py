@@ -15,7 +15,9 @@ every kernel takes them so (`enable_gqa`), and the KV cache stores only those he
 without a bias run on `scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient
 kernels: no N x N score matrix); a design with a bias (`Design.bias`, one `ScoreBias` module per
 layer) runs on the one score-bias path: FlexAttention with a score modification where it can (see
-`bias_attention`), else SDPA over chunks of query rows with an additive bias computed per chunk.
+`bias_attention`), else, for a bias that is a per-key value up to a per-row constant (ALiBi, FoX)
+in fp32 / fp64, the fused CPU kernel with the bias as one more q/k dimension, else SDPA over
+chunks of query rows with an additive bias computed per chunk.
 
 This module holds the kernels and the layer; it names no design.
 """
@@ -41,8 +43,9 @@ from .sequence_parallel import SequenceParallel
 # ~30 s once per process plus a few seconds per new length; below this query length the chunked
 # SDPA path is used instead (see `bias_attention`).
 CPU_FLEX_MIN_LEN = 1024
-# Query rows per chunk of the additive-bias path: the bias is [H, rows, keys].
-BIAS_CHUNK = 256
+# Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
+# path's float32 error is proportional to it (`_KeyBiasAttention`).
+BIAS_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,12 @@ class LayerBias:
         if prefix is not None:  # float64: F_m - F_n exact
             gap = prefix[..., first : first + rows, None] - prefix[..., None, :keys]
         return self.module.rows(self.heads, m, n, gap)
+
+    def key_values(self, keys: int, prefix: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """c_h(n) of keys 0..keys-1 (positions add `start`) of a separable bias (b = c_h(n) -
+        c_h(m)): [1 or B, H, keys], float64."""
+        n = torch.arange(keys, device=device) + self.start
+        return self.module.key_values(self.heads, n, None if prefix is None else prefix[..., :keys])
 
     def scores(self, start: int, end: int, device: torch.device) -> torch.Tensor:
         """Batch row 0's bias of queries start..end-1 over keys 0..end-1: [H, rows, end] (what
@@ -137,7 +146,119 @@ def bias_attention(q, k, v, bias: LayerBias) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]
     if tq == tk and (q.is_cuda or (not _needs_backward(bias, q, k, v) and tq >= CPU_FLEX_MIN_LEN)):
         return _flex_bias(q, k, v, bias)
+    return _cpu_bias(q, k, v, bias)
+
+
+def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
+    """The CPU kernel of a bias: a separable one (ALiBi, FoX) in float32 or float64 rides the fused
+    flash kernel as one more q/k dimension (`_key_bias_attention`); any other bias, or bf16 / fp16
+    inputs (whose rounding of the extra dimension would be too coarse), the exact additive path."""
+    if bias.module.separable and q.dtype in (torch.float32, torch.float64):
+        values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
+        return _KeyBiasAttention.apply(q, k, v, values)
     return _chunked_bias(q, k, v, bias)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _extended(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """x [B, h, T, D] as [B, heads, T, D + 1] (kv heads repeated for their query heads under GQA)
+    with a zero last column: the buffer the extra dimension is written into."""
+    B, h, T, D = x.shape
+    out = x.new_zeros(B, heads, T, D + 1)
+    out.view(B, h, heads // h, T, D + 1)[..., :D].copy_(x[:, :, None])
+    return out
+
+
+def _narrowed(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of `_extended`'s input from its output's: the first D columns, summed over the
+    query heads that share a kv head."""
+    B, H, T, D1 = grad.shape
+    return grad[..., :-1].reshape(B, heads, H // heads, T, D1 - 1).sum(2)
+
+
+def _chunks(tq: int, offset: int):
+    """Per chunk of query rows: (rows, their key positions, the chunk's middle row's position) and
+    its two kernel calls, (keys, causal): its own square block under the kernel's (top-left)
+    causal mask, then every earlier key unmasked."""
+    for start in range(0, tq, BIAS_CHUNK):
+        end = min(tq, start + BIAS_CHUNK)
+        first, last = offset + start, offset + end
+        parts = [(slice(first, last), True)] + ([(slice(0, first), False)] if first else [])
+        yield slice(start, end), last, offset + (start + end - 1) // 2, parts
+
+
+class _KeyBiasAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(D) + c_h(n) - c_h(m)) v (causal, query i at key position Tk - Tq + i)
+    on the fused CPU flash kernel: softmax drops -c_h(m), so q gets a column of ones and k the
+    column (c_h(n) - c_h(centre)) sqrt(D) (v a zero one, the kernel wants one head size).
+
+    The centre is the middle row of each chunk of query rows: float32 rounds the column to about
+    |c_h(n) - c_h(centre)| 2^-24, which near a row's diagonal, where its probability mass is, is
+    at most half a chunk's span of the bias, at any length (far keys carry large values but
+    exp(-large) weight). Each chunk is two kernel calls merged by their log-sum-exps; backward
+    calls the kernel's backward on both with the merged output and log-sum-exp, so nothing is
+    recomputed and only q, k, v (views of the projection), c, the output and the log-sum-exps are
+    kept, as for Origin. c's gradient is the column's (FoX's gates); the centre is a constant, as
+    the output does not depend on it."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        B, H, tq, D = q.shape
+        scale = D**-0.5
+        k_ext, v_ext = _extended(k, H), _extended(v, H)
+        out, lse = q.new_empty(B, H, tq, D + 1), q.new_empty(B, H, tq)
+        for rows, keys, centre, parts in _chunks(tq, k.shape[-2] - tq):
+            q_c = F.pad(q[..., rows, :], (0, 1), value=1.0)
+            _write_column(k_ext, values, keys, centre, scale)
+            merged, total = None, None
+            for part, causal in parts:
+                o, lse_part = _FLASH(q_c, k_ext[..., part, :], v_ext[..., part, :], 0.0, causal, scale=scale)
+                if merged is None:
+                    merged, total = o, lse_part
+                    continue
+                both = torch.logaddexp(total, lse_part)
+                merged = merged * (total - both).exp()[..., None] + o * (lse_part - both).exp()[..., None]
+                total = both
+            out[..., rows, :], lse[..., rows] = merged, total
+        ctx.save_for_backward(q, k, v, values, out, lse)
+        return out[..., :D]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, values, out, lse = ctx.saved_tensors
+        B, H, tq, D = q.shape
+        scale = D**-0.5
+        k_ext, v_ext = _extended(k, H), _extended(v, H)
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        column = q.new_zeros(B, H, k.shape[-2]) if ctx.needs_input_grad[3] else None
+        for rows, keys, centre, parts in _chunks(tq, k.shape[-2] - tq):
+            q_c, grad_c = F.pad(q[..., rows, :], (0, 1), value=1.0), F.pad(grad[..., rows, :], (0, 1))
+            _write_column(k_ext, values, keys, centre, scale)
+            total = 0
+            for part, causal in parts:
+                dq, dk, dv = _FLASH_BACKWARD(grad_c, q_c, k_ext[..., part, :], v_ext[..., part, :],
+                                             out[..., rows, :], lse[..., rows], 0.0, causal, scale=scale)
+                total = total + dq
+                grad_k[..., part, :] += _narrowed(dk, k.shape[1])
+                grad_v[..., part, :] += _narrowed(dv, v.shape[1])
+                if column is not None:
+                    column[..., part] += dk[..., -1]
+            grad_q[..., rows, :] = total[..., :D]
+        grad_values = None
+        if column is not None:  # the column is c_h(n) / scale
+            grad_values = column.to(torch.float64) / scale
+            if values.shape[0] != B:
+                grad_values = grad_values.sum(0, keepdim=True)
+        return grad_q, grad_k, grad_v, grad_values
+
+
+def _write_column(k_ext: torch.Tensor, values: torch.Tensor, keys: int, centre: int, scale: float) -> None:
+    """k's extra column over keys 0..keys-1: (c_h(n) - c_h(centre)) / scale, rounded once from float64."""
+    c = values[..., :keys]
+    k_ext[..., :keys, -1] = (c - c[..., centre : centre + 1]) / scale
 
 
 def _chunked_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
@@ -262,7 +383,7 @@ def _document_attention(q, k, v, documents: Documents, bias: LayerBias | None, w
 
     def piece(qp, kp, vp, rows: slice, tokens: slice) -> torch.Tensor:
         terms = None if bias.terms is None else bias.terms[rows, :, tokens]
-        return _chunked_bias(qp, kp, vp, replace(bias, terms=terms, start=0 if documents.restart else tokens.start))
+        return _cpu_bias(qp, kp, vp, replace(bias, terms=terms, start=0 if documents.restart else tokens.start))
 
     return segment_attention(q, k, v, documents.ids, piece)
 

@@ -10,6 +10,7 @@ import torch
 
 from model import ModelConfig
 from model.attention import CausalSelfAttention, LayerBias, LayerCache, _chunked_bias
+from model.designs.alibi import AlibiBias, alibi_slopes
 from model.designs.fox import ForgetBias
 from model.documents import Documents, positions
 
@@ -178,6 +179,59 @@ def test_fox_at_32k_tokens(dtype, tol):
     rows = [0, 1, 255, 256, t // 2, t - 2, t - 1]
     want = fox_rows_reference(*(x.to(F64) for x in (q, k, v, log_f)), rows)
     torch.testing.assert_close(out[..., rows, :].to(F64), want, rtol=tol, atol=tol)
+
+
+def rows_reference(q, k, v, bias_row, rows: list[int]) -> torch.Tensor:
+    """Float64 outputs of the given query rows with bias_row(m) [H, m + 1] over keys 0..m."""
+    out = []
+    for m in rows:
+        s = q[..., m : m + 1, :] @ k[..., : m + 1, :].transpose(-1, -2) / math.sqrt(q.shape[-1])
+        out.append(torch.softmax(s + bias_row(m)[..., None, :], dim=-1) @ v[..., : m + 1, :])
+    return torch.cat(out, dim=-2)
+
+
+@pytest.mark.parametrize("t", [8192, 32768])
+@pytest.mark.parametrize("design", ["alibi", "fox"])
+def test_fused_separable_bias_error_in_float32(design, t):
+    """ALiBi and FoX in float32 ride the fused kernel with the bias as an extra q/k column centred
+    on each chunk's middle row (`_KeyBiasAttention`). Its error against the float64 definition (same
+    rounded inputs) is float32's rounding of that column near each row's diagonal: per score at
+    most 2^-24 x the bias's span over half a chunk (ALiBi: s_h x 64, <= 45 for 16 heads' largest
+    slope, 2^-0.5; FoX: the largest |F_m - F_centre| in the data), moving the output by at most
+    that times |v_n - out| (< 5 here). Measured here (128-row chunks): ALiBi 1.7e-6 (8K), 3.1e-6
+    (32K); FoX 1.8e-6, 2.1e-6; this bound: 1.3e-5 (ALiBi), 1.0e-5 and 1.2e-5 (FoX). (The exact
+    additive path's error: ~3e-7. Centred on key 0 instead, the fused path's error is 1.1e-4 to
+    9.5e-4: this test fails.)"""
+    import model.attention as attention
+
+    g = torch.Generator().manual_seed(0)
+    heads = 2 if design == "alibi" else 1
+    q, k, v = (torch.randn(1, heads, t, 8, generator=g) for _ in range(3))
+    half = attention.BIAS_CHUNK // 2
+    if design == "alibi":  # heads 0 and 1 of 16: the largest slopes, 2^-0.5 and 2^-1
+        bias = LayerBias(AlibiBias(16), heads=slice(0, heads))
+        slopes = alibi_slopes(16)[:heads]
+        span = float(slopes.max()) * half
+
+        def bias_row(m: int) -> torch.Tensor:
+            return -slopes[:, None] * (m - torch.arange(m + 1, dtype=F64))
+    else:  # the 32K test's gates: near 1 and near 0.5 (|F| ~ 1e4)
+        log_f = torch.nn.functional.logsigmoid(torch.randn(1, heads, t, generator=g) * 2 + 2)
+        bias = LayerBias(ForgetBias(heads, 8), log_f)
+        prefix = log_f.to(F64).cumsum(-1)
+        span = max(float((prefix[..., s : s + 2 * half] - prefix[..., s + (min(t, s + 2 * half) - s - 1) // 2, None])
+                         .abs().max()) for s in range(0, t, 2 * half))
+
+        def bias_row(m: int) -> torch.Tensor:
+            return (prefix[0, :, m, None] - prefix[0, :, : m + 1])
+    with torch.no_grad():
+        out = attention._cpu_bias(q, k, v, bias)  # causal_attention: compiled FlexAttention here (no grad)
+    assert torch.isfinite(out).all()
+    rows = [0, 1, 127, 128, 255, 256, 383, t // 2, t // 2 + 200, t - 129, t - 2, t - 1]
+    want = rows_reference(*(x.to(F64) for x in (q, k, v)), bias_row, rows)
+    tol = 5 * span * 2.0**-24
+    assert 1e-6 < tol < 1e-4
+    torch.testing.assert_close(out[..., rows, :].to(F64), want, rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("design", DESIGNS)

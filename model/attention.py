@@ -65,16 +65,17 @@ class LayerBias:
         return None if self.terms is None else self.terms.to(torch.float64).cumsum(dim=-1)
 
     def rows(self, first: int, rows: int, keys: int, prefix: torch.Tensor | None,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device, t: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """b_h(m, n) of queries first..first+rows-1 over keys 0..keys-1 (indices; positions add
-        `start`): [B, H, rows, keys], or [H, rows, keys] for a bias that is the same in every row."""
+        `start`): [B, H, rows, keys], or [H, rows, keys] for a bias that is the same in every row
+        (from the module's `tensors` t where given: `ScoreBias.rows`)."""
         m = torch.arange(first, first + rows, device=device)[:, None] + self.start
         n = torch.arange(keys, device=device)[None, :] + self.start
         n = torch.minimum(n, m)  # masked pairs (n > m) read n = m: the formulas stay finite there
         gap = None
         if prefix is not None:  # float64: F_m - F_n exact
             gap = prefix[..., first : first + rows, None] - prefix[..., None, :keys]
-        return self.module.rows(self.heads, m, n, gap)
+        return self.module.rows(self.heads, m, n, gap, t)
 
     def key_values(self, keys: int, prefix: torch.Tensor | None, device: torch.device) -> torch.Tensor:
         """c_h(n) of keys 0..keys-1 (positions add `start`) of a separable bias (b = c_h(n) -
@@ -153,9 +154,12 @@ def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
     """The CPU kernel of a bias: a separable one (ALiBi, FoX) in float32 or float64 rides the fused
     flash kernel as one more q/k dimension (`_key_bias_attention`); any other bias, or bf16 / fp16
     inputs (whose rounding of the extra dimension would be too coarse), the exact additive path."""
-    if bias.module.separable and q.dtype in (torch.float32, torch.float64):
-        values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
-        return _KeyBiasAttention.apply(q, k, v, values)
+    if q.dtype in (torch.float32, torch.float64):
+        if bias.module.separable:
+            values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
+            return _KeyBiasAttention.apply(q, k, v, values)
+        if bias.terms is None:
+            return _AdditiveBiasAttention.apply(q, k, v, bias, *bias.module.tensors(bias.heads, q.device))
     return _chunked_bias(q, k, v, bias)
 
 
@@ -175,8 +179,13 @@ def _extended(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _narrowed(grad: torch.Tensor, heads: int) -> torch.Tensor:
     """The gradient of `_extended`'s input from its output's: the first D columns, summed over the
     query heads that share a kv head."""
-    B, H, T, D1 = grad.shape
-    return grad[..., :-1].reshape(B, heads, H // heads, T, D1 - 1).sum(2)
+    return _grouped(grad[..., :-1], heads)
+
+
+def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """A gradient [B, H, T, D] per query head summed over the query heads of each of `heads` kv heads."""
+    B, H, T, D = grad.shape
+    return grad if H == heads else grad.reshape(B, heads, H // heads, T, D).sum(2)
 
 
 def _chunks(tq: int, offset: int):
@@ -253,6 +262,84 @@ class _KeyBiasAttention(torch.autograd.Function):
             if values.shape[0] != B:
                 grad_values = grad_values.sum(0, keepdim=True)
         return grad_q, grad_k, grad_v, grad_values
+
+
+def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v [B, h, T, D] with each kv head repeated for the query heads it serves (GQA)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _bias_mask(bias: LayerBias, first: int, rows: int, keys: int, dtype: torch.dtype,
+               t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b_h(m, n) of query rows at key positions first.. over keys 0..first + rows - 1 [H, rows,
+    keys] from the bias's tensors t, that bias in `dtype` with later keys at its most negative
+    finite value [1, H, rows, keys]: the kernels' additive mask)."""
+    values = bias.rows(first, rows, keys, None, t[0].device if t else torch.device("cpu"), t)
+    m = torch.arange(first, first + rows, device=values.device)[:, None]
+    n = torch.arange(keys, device=values.device)[None, :]
+    return values, values.detach().to(dtype).masked_fill(n > m, torch.finfo(dtype).min)[None]
+
+
+class _AdditiveBiasAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(D) + b_h(m, n)) v for a bias that reads no per-token terms (KERPLE, FIRE)
+    in fp32 / fp64 on CPU: per chunk of query rows, the bias computed from the module's `tensors`
+    (inputs here, so their gradients flow to the parameters) and the fused flash kernel with it as
+    an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for Origin); backward
+    recomputes each chunk's bias and runs the softmax backward itself (the kernel's backward gives no
+    score gradient dS, which the bias's tensors need): P = exp(S + b - lse), dS = P (dO v^T - rowsum(dO O))."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias,
+                *tensors: torch.Tensor) -> torch.Tensor:
+        B, H, tq, D = q.shape
+        offset = k.shape[-2] - tq
+        ctx.bias = bias
+        given = (q, k, v, *tensors)
+        k, v = _per_query_head(k, H), _per_query_head(v, H)
+        out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, tq)
+        for start in range(0, tq, BIAS_CHUNK):
+            end = min(tq, start + BIAS_CHUNK)
+            keys = offset + end
+            mask = _bias_mask(bias, offset + start, end - start, keys, q.dtype, tensors)[1]
+            out[..., start:end, :], lse[..., start:end] = _FLASH(
+                q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], 0.0, False, attn_mask=mask, scale=D**-0.5)
+        ctx.save_for_backward(out, lse, *given)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, lse, q, k, v, *tensors = ctx.saved_tensors
+        kv_heads = k.shape[1]
+        B, H, tq, D = q.shape
+        offset, scale = k.shape[-2] - tq, D**-0.5
+        k, v = _per_query_head(k, H), _per_query_head(v, H)
+        wanted = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[4:])]
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_t = [torch.zeros_like(t) for t in tensors]
+        for start in range(0, tq, BIAS_CHUNK):
+            end = min(tq, start + BIAS_CHUNK)
+            keys, rows = offset + end, slice(start, end)
+            with torch.enable_grad():
+                values, mask = _bias_mask(ctx.bias, offset + start, end - start, keys, q.dtype, wanted)
+            q_c, k_c, v_c, g_c = q[..., rows, :], k[..., :keys, :], v[..., :keys, :], grad[..., rows, :]
+            p = torch.baddbmm(mask.expand(B, H, -1, -1).reshape(B * H, end - start, keys),
+                              q_c.reshape(B * H, end - start, D), k_c.reshape(B * H, keys, D).transpose(1, 2),
+                              alpha=scale).view(B, H, end - start, keys)
+            p = p.sub_(lse[..., rows, None]).exp_()
+            delta = (g_c * out[..., rows, :]).sum(-1, keepdim=True)
+            ds = (g_c @ v_c.transpose(-1, -2)).sub_(delta).mul_(p)
+            grad_v[..., :keys, :] += p.transpose(-1, -2) @ g_c
+            del p
+            grad_q[..., rows, :] = (ds @ k_c) * scale
+            grad_k[..., :keys, :] += (ds.transpose(-1, -2) @ q_c) * scale
+            if any(t.requires_grad for t in wanted):
+                needed = [t for t in wanted if t.requires_grad]
+                got = iter(torch.autograd.grad(values, needed, ds.sum(0).to(values.dtype)))
+                for i, t in enumerate(wanted):
+                    if t.requires_grad:
+                        grad_t[i] += next(got)
+        return (grad_q, _grouped(grad_k, kv_heads), _grouped(grad_v, kv_heads), None,
+                *(g if need else None for g, need in zip(grad_t, ctx.needs_input_grad[4:])))
 
 
 def _write_column(k_ext: torch.Tensor, values: torch.Tensor, keys: int, centre: int, scale: float) -> None:

@@ -52,7 +52,7 @@ class AlibiBias(ScoreBias):
     def element(t, h, m, n, gap=None) -> torch.Tensor:
         return -t[0][h] * (m - n)
 
-    def rows(self, heads, m, n, gap=None) -> torch.Tensor:
+    def rows(self, heads, m, n, gap=None, t=None) -> torch.Tensor:
         return -self.slopes(m.device, torch.float64)[heads, None, None] * (m - n)
 
     def key_values(self, heads, n, prefix=None) -> torch.Tensor:

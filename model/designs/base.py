@@ -70,10 +70,12 @@ class ScoreBias(nn.Module):
         (`model.attention._key_bias_attention`)."""
         raise NotImplementedError(f"{type(self).__name__} is not separable")
 
-    def rows(self, heads: slice, m: torch.Tensor, n: torch.Tensor, gap: torch.Tensor | None = None) -> torch.Tensor:
+    def rows(self, heads: slice, m: torch.Tensor, n: torch.Tensor, gap: torch.Tensor | None = None,
+             t: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """b_h(m, n) for the query heads `heads`: [heads, rows, keys] (or [B, heads, rows, keys] for a
-        gated bias: gap is [B, heads, rows, keys]), float32 or wider."""
-        t = self.tensors(heads, m.device)
+        gated bias: gap is [B, heads, rows, keys]), float32 or wider; from `t`, this module's
+        `tensors(heads)` where given (a kernel that takes their gradients itself), else its own."""
+        t = self.tensors(heads, m.device) if t is None else t
         served = len(range(*heads.indices(self.n_head)))
         return self.element(t, torch.arange(served, device=m.device)[:, None, None], m, n, gap)
 

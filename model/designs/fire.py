@@ -63,8 +63,8 @@ class FireBias(ScoreBias):
             out = out + w2[h, u] * torch.relu(w1[u] * x + b1[u])
         return out
 
-    def rows(self, heads, m, n, gap=None) -> torch.Tensor:
-        c, threshold, w1, b1, w2, b2 = self.tensors(heads, m.device)
+    def rows(self, heads, m, n, gap=None, t=None) -> torch.Tensor:
+        c, threshold, w1, b1, w2, b2 = self.tensors(heads, m.device) if t is None else t
         x = fire_input(c, threshold, m, n)  # [..., rows, keys]
         hidden = F.relu(x[..., None] * w1 + b1)  # [..., rows, keys, 32]
         return torch.movedim(F.linear(hidden, w2, b2), -1, -3)  # [..., H, rows, keys]

@@ -254,3 +254,22 @@ def test_cpu_kernel_keeps_linear_memory_for_backward(design):
         return sum(storages.values())
 
     assert saved_bytes(2048) <= 2.2 * saved_bytes(1024)
+
+
+def test_fire_pieces_are_the_mlp():
+    """FIRE's MLP evaluated as its linear pieces (`fire.pieces`) equals the MLP written out, values
+    and gradients of every weight and of x, in float64 over x spanning every breakpoint (a unit
+    with w1 = 0 included)."""
+    from model.designs.fire import pieces
+
+    g = torch.Generator().manual_seed(3)
+    w1, b1, w2, b2 = (torch.randn(*shape, dtype=F64, generator=g) for shape in ((32,), (32,), (4, 32), (4,)))
+    w1[5] = 0.0
+    weights = [p.requires_grad_() for p in (w1, b1, w2, b2)]
+    x = torch.linspace(-6, 6, 4001, dtype=F64).requires_grad_()
+    breaks, slope, intercept = pieces(*weights)
+    segment = torch.searchsorted(breaks, x.detach())
+    assert len(segment.unique()) > 20  # the grid crosses most breakpoints
+    got = slope[:, segment] * x + intercept[:, segment]
+    want = w2 @ torch.relu(w1[:, None] * x + b1[:, None]) + b2[:, None]
+    assert_same_with_gradients(got, want, [*weights, x])

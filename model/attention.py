@@ -46,6 +46,10 @@ CPU_FLEX_MIN_LEN = 1024
 # Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
 # path's float32 error is proportional to it (`_KeyBiasAttention`).
 BIAS_CHUNK = 128
+# Query rows per chunk of the additive-mask kernel (`_AdditiveBiasAttention`), which holds a few
+# [H, rows, keys] tensors (bias, scores, their gradient) at a time: its memory beyond Origin's
+# (bench.attention, 8K, H=8: peak 0.9x Origin's at 16 rows, 1.2x at 32, which is ~20% faster).
+SCORE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -269,24 +273,23 @@ def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _bias_mask(bias: LayerBias, first: int, rows: int, keys: int, dtype: torch.dtype,
-               t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b_h(m, n) of query rows at key positions first.. over keys 0..first + rows - 1 [H, rows,
-    keys] from the bias's tensors t, that bias in `dtype` with later keys at its most negative
-    finite value [1, H, rows, keys]: the kernels' additive mask)."""
-    values = bias.rows(first, rows, keys, None, t[0].device if t else torch.device("cpu"), t)
+def _causal_bias(bias: LayerBias, first: int, rows: int, keys: int,
+                 t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b_h(m, n) [H, rows, keys] of query rows at key positions first.. over keys 0..first + rows -
+    1, from the bias's tensors t; whether each pair is masked, n > m [rows, keys])."""
+    values = bias.rows(first, rows, keys, None, t[0].device, t)
     m = torch.arange(first, first + rows, device=values.device)[:, None]
-    n = torch.arange(keys, device=values.device)[None, :]
-    return values, values.detach().to(dtype).masked_fill(n > m, torch.finfo(dtype).min)[None]
+    return values, torch.arange(keys, device=values.device)[None, :] > m
 
 
 class _AdditiveBiasAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(D) + b_h(m, n)) v for a bias that reads no per-token terms (KERPLE, FIRE)
-    in fp32 / fp64 on CPU: per chunk of query rows, the bias computed from the module's `tensors`
-    (inputs here, so their gradients flow to the parameters) and the fused flash kernel with it as
-    an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for Origin); backward
-    recomputes each chunk's bias and runs the softmax backward itself (the kernel's backward gives no
-    score gradient dS, which the bias's tensors need): P = exp(S + b - lse), dS = P (dO v^T - rowsum(dO O))."""
+    in fp32 / fp64 on CPU: per chunk of SCORE_ROWS query rows, the bias computed from the module's
+    `tensors` (inputs here, so their gradients flow to the parameters) and the fused flash kernel
+    with it as an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for
+    Origin); backward recomputes each chunk's bias and runs the softmax backward itself (the
+    kernel's backward gives no score gradient, which the bias's tensors need):
+    P = exp(S + b - lse), dS = P (dO v^T - rowsum(dO O)). Transient memory: a few [H, rows, keys]."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias,
@@ -297,10 +300,11 @@ class _AdditiveBiasAttention(torch.autograd.Function):
         given = (q, k, v, *tensors)
         k, v = _per_query_head(k, H), _per_query_head(v, H)
         out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, tq)
-        for start in range(0, tq, BIAS_CHUNK):
-            end = min(tq, start + BIAS_CHUNK)
+        for start in range(0, tq, SCORE_ROWS):
+            end = min(tq, start + SCORE_ROWS)
             keys = offset + end
-            mask = _bias_mask(bias, offset + start, end - start, keys, q.dtype, tensors)[1]
+            values, masked = _causal_bias(bias, offset + start, end - start, keys, tensors)
+            mask = values.to(q.dtype).masked_fill_(masked, torch.finfo(q.dtype).min)[None]
             out[..., start:end, :], lse[..., start:end] = _FLASH(
                 q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], 0.0, False, attn_mask=mask, scale=D**-0.5)
         ctx.save_for_backward(out, lse, *given)
@@ -314,32 +318,32 @@ class _AdditiveBiasAttention(torch.autograd.Function):
         offset, scale = k.shape[-2] - tq, D**-0.5
         k, v = _per_query_head(k, H), _per_query_head(v, H)
         wanted = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[4:])]
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        grad_t = [torch.zeros_like(t) for t in tensors]
-        for start in range(0, tq, BIAS_CHUNK):
-            end = min(tq, start + BIAS_CHUNK)
+        needed = [t for t in wanted if t.requires_grad]
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = (q.new_zeros(B * H, k.shape[-2], D) for _ in range(2))  # accumulated in place
+        grad_t = [torch.zeros_like(t) for t in needed]
+        for start in range(0, tq, SCORE_ROWS):
+            end = min(tq, start + SCORE_ROWS)
             keys, rows = offset + end, slice(start, end)
             with torch.enable_grad():
-                values, mask = _bias_mask(ctx.bias, offset + start, end - start, keys, q.dtype, wanted)
+                values, masked = _causal_bias(ctx.bias, offset + start, end - start, keys, wanted)
             q_c, k_c, v_c, g_c = q[..., rows, :], k[..., :keys, :], v[..., :keys, :], grad[..., rows, :]
-            p = torch.baddbmm(mask.expand(B, H, -1, -1).reshape(B * H, end - start, keys),
-                              q_c.reshape(B * H, end - start, D), k_c.reshape(B * H, keys, D).transpose(1, 2),
-                              alpha=scale).view(B, H, end - start, keys)
-            p = p.sub_(lse[..., rows, None]).exp_()
+            p = (q_c @ k_c.transpose(-1, -2)).mul_(scale).add_(values.detach()).sub_(lse[..., rows, None])
+            p = p.exp_().masked_fill_(masked, 0.0)  # masked pairs read n = m: finite, then 0
             delta = (g_c * out[..., rows, :]).sum(-1, keepdim=True)
             ds = (g_c @ v_c.transpose(-1, -2)).sub_(delta).mul_(p)
-            grad_v[..., :keys, :] += p.transpose(-1, -2) @ g_c
+            n = end - start
+            grad_v[:, :keys].baddbmm_(p.view(B * H, n, keys).transpose(1, 2), g_c.reshape(B * H, n, D))
             del p
-            grad_q[..., rows, :] = (ds @ k_c) * scale
-            grad_k[..., :keys, :] += (ds.transpose(-1, -2) @ q_c) * scale
-            if any(t.requires_grad for t in wanted):
-                needed = [t for t in wanted if t.requires_grad]
-                got = iter(torch.autograd.grad(values, needed, ds.sum(0).to(values.dtype)))
-                for i, t in enumerate(wanted):
-                    if t.requires_grad:
-                        grad_t[i] += next(got)
+            grad_q[..., rows, :] = (ds @ k_c).mul_(scale)
+            grad_k[:, :keys].baddbmm_(ds.view(B * H, n, keys).transpose(1, 2), q_c.reshape(B * H, n, D), alpha=scale)
+            if needed:
+                for total, g in zip(grad_t, torch.autograd.grad(values, needed, ds.sum(0).to(values.dtype))):
+                    total += g
+        grads = iter(grad_t)
+        grad_k, grad_v = (g.view(B, H, -1, D) for g in (grad_k, grad_v))
         return (grad_q, _grouped(grad_k, kv_heads), _grouped(grad_v, kv_heads), None,
-                *(g if need else None for g, need in zip(grad_t, ctx.needs_input_grad[4:])))
+                *(next(grads) if t.requires_grad else None for t in wanted))
 
 
 def _write_column(k_ext: torch.Tensor, values: torch.Tensor, keys: int, centre: int, scale: float) -> None:

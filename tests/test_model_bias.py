@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import model.attention as attention_module
 from model import ModelConfig
 from model.attention import CausalSelfAttention, LayerBias, LayerCache, _chunked_bias
 from model.designs.alibi import AlibiBias, alibi_slopes
@@ -106,9 +107,11 @@ def assert_same_with_gradients(out: torch.Tensor, want: torch.Tensor, inputs: li
 
 @pytest.mark.parametrize("arch", ["neox", "llama"])
 @pytest.mark.parametrize("design", DESIGNS)
-def test_layer_matches_the_papers_definition(design, arch):
-    """Output and gradients (x, projections, bias parameters), query rows across a chunk boundary
-    being too costly for the pair-by-pair reference: one chunk, 13 tokens (FIRE's L = 6 inside)."""
+def test_layer_matches_the_papers_definition(design, arch, monkeypatch):
+    """Output and gradients (x, projections, bias parameters), 13 tokens (FIRE's L = 6 inside) in
+    chunks of 5 query rows, so the kernels' chunk boundaries are crossed."""
+    monkeypatch.setattr(attention_module, "BIAS_CHUNK", 5)
+    monkeypatch.setattr(attention_module, "SCORE_ROWS", 5)
     layer = layer_of(design, arch)
     x = torch.randn(2, 13, 32, dtype=F64, requires_grad=True)
     t = x.shape[1]
@@ -117,9 +120,12 @@ def test_layer_matches_the_papers_definition(design, arch):
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_kv_cache_queries_at_shifted_positions(design):
+def test_kv_cache_queries_at_shifted_positions(design, monkeypatch):
     """A cache of 9 tokens then 4 more: the new queries sit at positions 9..12 (FIRE reads them),
-    with FoX's cached gates; the same as the full reference's last rows, with gradients."""
+    with FoX's cached gates; the same as the full reference's last rows, with gradients (chunks of
+    3 query rows)."""
+    monkeypatch.setattr(attention_module, "BIAS_CHUNK", 3)
+    monkeypatch.setattr(attention_module, "SCORE_ROWS", 3)
     layer = layer_of(design, "llama")
     x = torch.randn(1, 13, 32, dtype=F64, requires_grad=True)
     cache = LayerCache()
@@ -202,12 +208,10 @@ def test_fused_separable_bias_error_in_float32(design, t):
     (32K); FoX 1.8e-6, 2.1e-6; this bound: 1.3e-5 (ALiBi), 1.0e-5 and 1.2e-5 (FoX). (The exact
     additive path's error: ~3e-7. Centred on key 0 instead, the fused path's error is 1.1e-4 to
     9.5e-4: this test fails.)"""
-    import model.attention as attention
-
     g = torch.Generator().manual_seed(0)
     heads = 2 if design == "alibi" else 1
     q, k, v = (torch.randn(1, heads, t, 8, generator=g) for _ in range(3))
-    half = attention.BIAS_CHUNK // 2
+    half = attention_module.BIAS_CHUNK // 2
     if design == "alibi":  # heads 0 and 1 of 16: the largest slopes, 2^-0.5 and 2^-1
         bias = LayerBias(AlibiBias(16), heads=slice(0, heads))
         slopes = alibi_slopes(16)[:heads]
@@ -225,7 +229,7 @@ def test_fused_separable_bias_error_in_float32(design, t):
         def bias_row(m: int) -> torch.Tensor:
             return (prefix[0, :, m, None] - prefix[0, :, : m + 1])
     with torch.no_grad():
-        out = attention._cpu_bias(q, k, v, bias)  # causal_attention: compiled FlexAttention here (no grad)
+        out = attention_module._cpu_bias(q, k, v, bias)  # causal_attention: compiled FlexAttention here (no grad)
     assert torch.isfinite(out).all()
     rows = [0, 1, 127, 128, 255, 256, 383, t // 2, t // 2 + 200, t - 129, t - 2, t - 1]
     want = rows_reference(*(x.to(F64) for x in (q, k, v)), bias_row, rows)

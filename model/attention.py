@@ -46,9 +46,9 @@ CPU_FLEX_MIN_LEN = 1024
 # Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
 # path's float32 error is proportional to it (`_KeyBiasAttention`).
 BIAS_CHUNK = 128
-# Query rows per chunk of the additive-mask kernel (`_AdditiveBiasAttention`), which holds a few
-# [H, rows, keys] tensors (bias, scores, their gradient) at a time: its memory beyond Origin's
-# (bench.attention, 8K, H=8: peak 0.9x Origin's at 16 rows, 1.2x at 32, which is ~20% faster).
+# Query rows per chunk of the additive-mask kernel's backward (`_AdditiveBiasAttention`), which
+# holds a few [H, rows, keys] tensors (bias, probabilities, score gradient) at a time: its memory
+# beyond Origin's (bench.attention, 8K, H=8: peak ~0.9x Origin's at 16 rows, 1.2x at 32, ~20% faster).
 SCORE_ROWS = 16
 
 
@@ -284,12 +284,12 @@ def _causal_bias(bias: LayerBias, first: int, rows: int, keys: int,
 
 class _AdditiveBiasAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(D) + b_h(m, n)) v for a bias that reads no per-token terms (KERPLE, FIRE)
-    in fp32 / fp64 on CPU: per chunk of SCORE_ROWS query rows, the bias computed from the module's
+    in fp32 / fp64 on CPU: per chunk of BIAS_CHUNK query rows, the bias computed from the module's
     `tensors` (inputs here, so their gradients flow to the parameters) and the fused flash kernel
     with it as an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for
-    Origin); backward recomputes each chunk's bias and runs the softmax backward itself (the
-    kernel's backward gives no score gradient, which the bias's tensors need):
-    P = exp(S + b - lse), dS = P (dO v^T - rowsum(dO O)). Transient memory: a few [H, rows, keys]."""
+    Origin); backward, per chunk of SCORE_ROWS rows, recomputes the bias and runs the softmax
+    backward itself (the kernel's backward gives no score gradient, which the bias's tensors need):
+    P = exp(S + b - lse), dS = P (dO v^T - rowsum(dO O))."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias,
@@ -300,8 +300,8 @@ class _AdditiveBiasAttention(torch.autograd.Function):
         given = (q, k, v, *tensors)
         k, v = _per_query_head(k, H), _per_query_head(v, H)
         out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, tq)
-        for start in range(0, tq, SCORE_ROWS):
-            end = min(tq, start + SCORE_ROWS)
+        for start in range(0, tq, BIAS_CHUNK):
+            end = min(tq, start + BIAS_CHUNK)
             keys = offset + end
             values, masked = _causal_bias(bias, offset + start, end - start, keys, tensors)
             mask = values.to(q.dtype).masked_fill_(masked, torch.finfo(q.dtype).min)[None]

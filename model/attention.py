@@ -155,9 +155,10 @@ def bias_attention(q, k, v, bias: LayerBias) -> torch.Tensor:
 
 
 def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
-    """The CPU kernel of a bias: a separable one (ALiBi, FoX) in float32 or float64 rides the fused
-    flash kernel as one more q/k dimension (`_key_bias_attention`); any other bias, or bf16 / fp16
-    inputs (whose rounding of the extra dimension would be too coarse), the exact additive path."""
+    """The CPU kernel of a bias, in float32 or float64: a separable one (ALiBi, FoX) rides the fused
+    flash kernel as one more q/k dimension (`_KeyBiasAttention`), one without per-token terms
+    (KERPLE, FIRE) as its additive mask (`_AdditiveBiasAttention`); bf16 / fp16 inputs (whose
+    rounding of the extra dimension would be too coarse) and any other bias, the exact additive path."""
     if q.dtype in (torch.float32, torch.float64):
         if bias.module.separable:
             values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
@@ -273,13 +274,12 @@ def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _causal_bias(bias: LayerBias, first: int, rows: int, keys: int,
-                 t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _causal_bias(bias: LayerBias, first: int, rows: int, keys: int, t: tuple[torch.Tensor, ...],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(b_h(m, n) [H, rows, keys] of query rows at key positions first.. over keys 0..first + rows -
     1, from the bias's tensors t; whether each pair is masked, n > m [rows, keys])."""
-    values = bias.rows(first, rows, keys, None, t[0].device, t)
-    m = torch.arange(first, first + rows, device=values.device)[:, None]
-    return values, torch.arange(keys, device=values.device)[None, :] > m
+    m = torch.arange(first, first + rows, device=device)[:, None]
+    return bias.rows(first, rows, keys, None, device, t), torch.arange(keys, device=device)[None, :] > m
 
 
 class _AdditiveBiasAttention(torch.autograd.Function):
@@ -303,7 +303,7 @@ class _AdditiveBiasAttention(torch.autograd.Function):
         for start in range(0, tq, BIAS_CHUNK):
             end = min(tq, start + BIAS_CHUNK)
             keys = offset + end
-            values, masked = _causal_bias(bias, offset + start, end - start, keys, tensors)
+            values, masked = _causal_bias(bias, offset + start, end - start, keys, tensors, q.device)
             mask = values.to(q.dtype).masked_fill_(masked, torch.finfo(q.dtype).min)[None]
             out[..., start:end, :], lse[..., start:end] = _FLASH(
                 q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], 0.0, False, attn_mask=mask, scale=D**-0.5)
@@ -326,7 +326,7 @@ class _AdditiveBiasAttention(torch.autograd.Function):
             end = min(tq, start + SCORE_ROWS)
             keys, rows = offset + end, slice(start, end)
             with torch.enable_grad():
-                values, masked = _causal_bias(ctx.bias, offset + start, end - start, keys, wanted)
+                values, masked = _causal_bias(ctx.bias, offset + start, end - start, keys, wanted, q.device)
             q_c, k_c, v_c, g_c = q[..., rows, :], k[..., :keys, :], v[..., :keys, :], grad[..., rows, :]
             p = (q_c @ k_c.transpose(-1, -2)).mul_(scale).add_(values.detach()).sub_(lse[..., rows, None])
             p = p.exp_().masked_fill_(masked, 0.0)  # masked pairs read n = m: finite, then 0

@@ -15,7 +15,9 @@ every kernel takes them so (`enable_gqa`), and the KV cache stores only those he
 without a bias run on `scaled_dot_product_attention(is_causal=True)` (flash / memory-efficient
 kernels: no N x N score matrix); a design with a bias (`Design.bias`, one `ScoreBias` module per
 layer) runs on the one score-bias path: FlexAttention with a score modification where it can (see
-`bias_attention`), else SDPA over chunks of query rows with an additive bias computed per chunk.
+`bias_attention`), else, for a bias that is a per-key value up to a per-row constant (ALiBi, FoX)
+in fp32 / fp64, the fused CPU kernel with the bias as one more q/k dimension, else SDPA over
+chunks of query rows with an additive bias computed per chunk.
 
 This module holds the kernels and the layer; it names no design.
 """
@@ -41,8 +43,13 @@ from .sequence_parallel import SequenceParallel
 # ~30 s once per process plus a few seconds per new length; below this query length the chunked
 # SDPA path is used instead (see `bias_attention`).
 CPU_FLEX_MIN_LEN = 1024
-# Query rows per chunk of the additive-bias path: the bias is [H, rows, keys].
-BIAS_CHUNK = 256
+# Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
+# path's float32 error is proportional to it (`_KeyBiasAttention`).
+BIAS_CHUNK = 128
+# Query rows per chunk of the additive-mask kernel's backward (`_AdditiveBiasAttention`), which
+# holds a few [H, rows, keys] tensors (bias, probabilities, score gradient) at a time: its memory
+# beyond Origin's (bench.attention, 8K, H=8: peak ~0.9x Origin's at 16 rows, 1.2x at 32, ~20% faster).
+SCORE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -62,16 +69,23 @@ class LayerBias:
         return None if self.terms is None else self.terms.to(torch.float64).cumsum(dim=-1)
 
     def rows(self, first: int, rows: int, keys: int, prefix: torch.Tensor | None,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device, t: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """b_h(m, n) of queries first..first+rows-1 over keys 0..keys-1 (indices; positions add
-        `start`): [B, H, rows, keys], or [H, rows, keys] for a bias that is the same in every row."""
+        `start`): [B, H, rows, keys], or [H, rows, keys] for a bias that is the same in every row
+        (from the module's `tensors` t where given: `ScoreBias.rows`)."""
         m = torch.arange(first, first + rows, device=device)[:, None] + self.start
         n = torch.arange(keys, device=device)[None, :] + self.start
         n = torch.minimum(n, m)  # masked pairs (n > m) read n = m: the formulas stay finite there
         gap = None
         if prefix is not None:  # float64: F_m - F_n exact
             gap = prefix[..., first : first + rows, None] - prefix[..., None, :keys]
-        return self.module.rows(self.heads, m, n, gap)
+        return self.module.rows(self.heads, m, n, gap, t)
+
+    def key_values(self, keys: int, prefix: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """c_h(n) of keys 0..keys-1 (positions add `start`) of a separable bias (b = c_h(n) -
+        c_h(m)): [1 or B, H, keys], float64."""
+        n = torch.arange(keys, device=device) + self.start
+        return self.module.key_values(self.heads, n, None if prefix is None else prefix[..., :keys])
 
     def scores(self, start: int, end: int, device: torch.device) -> torch.Tensor:
         """Batch row 0's bias of queries start..end-1 over keys 0..end-1: [H, rows, end] (what
@@ -137,7 +151,205 @@ def bias_attention(q, k, v, bias: LayerBias) -> torch.Tensor:
     tq, tk = q.shape[-2], k.shape[-2]
     if tq == tk and (q.is_cuda or (not _needs_backward(bias, q, k, v) and tq >= CPU_FLEX_MIN_LEN)):
         return _flex_bias(q, k, v, bias)
+    return _cpu_bias(q, k, v, bias)
+
+
+def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
+    """The CPU kernel of a bias, in float32 or float64: a separable one (ALiBi, FoX) rides the fused
+    flash kernel as one more q/k dimension (`_KeyBiasAttention`), one without per-token terms
+    (KERPLE, FIRE) as its additive mask (`_AdditiveBiasAttention`); bf16 / fp16 inputs (whose
+    rounding of the extra dimension would be too coarse) and any other bias, the exact additive path."""
+    if q.dtype in (torch.float32, torch.float64):
+        if bias.module.separable:
+            values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
+            return _KeyBiasAttention.apply(q, k, v, values)
+        if bias.terms is None:
+            return _AdditiveBiasAttention.apply(q, k, v, bias, *bias.module.tensors(bias.heads, q.device))
     return _chunked_bias(q, k, v, bias)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _extended(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """x [B, h, T, D] as [B, heads, T, D + 1] (kv heads repeated for their query heads under GQA)
+    with a zero last column: the buffer the extra dimension is written into."""
+    B, h, T, D = x.shape
+    out = x.new_zeros(B, heads, T, D + 1)
+    out.view(B, h, heads // h, T, D + 1)[..., :D].copy_(x[:, :, None])
+    return out
+
+
+def _narrowed(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of `_extended`'s input from its output's: the first D columns, summed over the
+    query heads that share a kv head."""
+    return _grouped(grad[..., :-1], heads)
+
+
+def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """A gradient [B, H, T, D] per query head summed over the query heads of each of `heads` kv heads."""
+    B, H, T, D = grad.shape
+    return grad if H == heads else grad.reshape(B, heads, H // heads, T, D).sum(2)
+
+
+def _chunks(tq: int, offset: int):
+    """Per chunk of query rows: (rows, their key positions, the chunk's middle row's position) and
+    its two kernel calls, (keys, causal): its own square block under the kernel's (top-left)
+    causal mask, then every earlier key unmasked."""
+    for start in range(0, tq, BIAS_CHUNK):
+        end = min(tq, start + BIAS_CHUNK)
+        first, last = offset + start, offset + end
+        parts = [(slice(first, last), True)] + ([(slice(0, first), False)] if first else [])
+        yield slice(start, end), last, offset + (start + end - 1) // 2, parts
+
+
+class _KeyBiasAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(D) + c_h(n) - c_h(m)) v (causal, query i at key position Tk - Tq + i)
+    on the fused CPU flash kernel: softmax drops -c_h(m), so q gets a column of ones and k the
+    column (c_h(n) - c_h(centre)) sqrt(D) (v a zero one, the kernel wants one head size).
+
+    The centre is the middle row of each chunk of query rows: float32 rounds the column to about
+    |c_h(n) - c_h(centre)| 2^-24, which near a row's diagonal, where its probability mass is, is
+    at most half a chunk's span of the bias, at any length (far keys carry large values but
+    exp(-large) weight). Each chunk is two kernel calls merged by their log-sum-exps; backward
+    calls the kernel's backward on both with the merged output and log-sum-exp, so nothing is
+    recomputed and only q, k, v (views of the projection), c, the output and the log-sum-exps are
+    kept, as for Origin. c's gradient is the column's (FoX's gates); the centre is a constant, as
+    the output does not depend on it."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        B, H, tq, D = q.shape
+        scale = D**-0.5
+        k_ext, v_ext = _extended(k, H), _extended(v, H)
+        out, lse = q.new_empty(B, H, tq, D + 1), q.new_empty(B, H, tq)
+        for rows, keys, centre, parts in _chunks(tq, k.shape[-2] - tq):
+            q_c = F.pad(q[..., rows, :], (0, 1), value=1.0)
+            _write_column(k_ext, values, keys, centre, scale)
+            merged, total = None, None
+            for part, causal in parts:
+                o, lse_part = _FLASH(q_c, k_ext[..., part, :], v_ext[..., part, :], 0.0, causal, scale=scale)
+                if merged is None:
+                    merged, total = o, lse_part
+                    continue
+                both = torch.logaddexp(total, lse_part)
+                merged = merged * (total - both).exp()[..., None] + o * (lse_part - both).exp()[..., None]
+                total = both
+            out[..., rows, :], lse[..., rows] = merged, total
+        ctx.save_for_backward(q, k, v, values, out, lse)
+        return out[..., :D]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        q, k, v, values, out, lse = ctx.saved_tensors
+        B, H, tq, D = q.shape
+        scale = D**-0.5
+        k_ext, v_ext = _extended(k, H), _extended(v, H)
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        column = q.new_zeros(B, H, k.shape[-2]) if ctx.needs_input_grad[3] else None
+        for rows, keys, centre, parts in _chunks(tq, k.shape[-2] - tq):
+            q_c, grad_c = F.pad(q[..., rows, :], (0, 1), value=1.0), F.pad(grad[..., rows, :], (0, 1))
+            _write_column(k_ext, values, keys, centre, scale)
+            total = 0
+            for part, causal in parts:
+                dq, dk, dv = _FLASH_BACKWARD(grad_c, q_c, k_ext[..., part, :], v_ext[..., part, :],
+                                             out[..., rows, :], lse[..., rows], 0.0, causal, scale=scale)
+                total = total + dq
+                grad_k[..., part, :] += _narrowed(dk, k.shape[1])
+                grad_v[..., part, :] += _narrowed(dv, v.shape[1])
+                if column is not None:
+                    column[..., part] += dk[..., -1]
+            grad_q[..., rows, :] = total[..., :D]
+        grad_values = None
+        if column is not None:  # the column is c_h(n) / scale
+            grad_values = column.to(torch.float64) / scale
+            if values.shape[0] != B:
+                grad_values = grad_values.sum(0, keepdim=True)
+        return grad_q, grad_k, grad_v, grad_values
+
+
+def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v [B, h, T, D] with each kv head repeated for the query heads it serves (GQA)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _causal_bias(bias: LayerBias, first: int, rows: int, keys: int, t: tuple[torch.Tensor, ...],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(b_h(m, n) [H, rows, keys] of query rows at key positions first.. over keys 0..first + rows -
+    1, from the bias's tensors t; whether each pair is masked, n > m [rows, keys])."""
+    m = torch.arange(first, first + rows, device=device)[:, None]
+    return bias.rows(first, rows, keys, None, device, t), torch.arange(keys, device=device)[None, :] > m
+
+
+class _AdditiveBiasAttention(torch.autograd.Function):
+    """softmax(q k^T / sqrt(D) + b_h(m, n)) v for a bias that reads no per-token terms (KERPLE, FIRE)
+    in fp32 / fp64 on CPU: per chunk of BIAS_CHUNK query rows, the bias computed from the module's
+    `tensors` (inputs here, so their gradients flow to the parameters) and the fused flash kernel
+    with it as an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for
+    Origin); backward, per chunk of SCORE_ROWS rows, recomputes the bias and runs the softmax
+    backward itself (the kernel's backward gives no score gradient, which the bias's tensors need):
+    P = exp(S + b - lse), dS = P (dO v^T - rowsum(dO O))."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias,
+                *tensors: torch.Tensor) -> torch.Tensor:
+        B, H, tq, D = q.shape
+        offset = k.shape[-2] - tq
+        ctx.bias = bias
+        given = (q, k, v, *tensors)
+        k, v = _per_query_head(k, H), _per_query_head(v, H)
+        out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, tq)
+        for start in range(0, tq, BIAS_CHUNK):
+            end = min(tq, start + BIAS_CHUNK)
+            keys = offset + end
+            values, masked = _causal_bias(bias, offset + start, end - start, keys, tensors, q.device)
+            mask = values.to(q.dtype).masked_fill_(masked, torch.finfo(q.dtype).min)[None]
+            out[..., start:end, :], lse[..., start:end] = _FLASH(
+                q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], 0.0, False, attn_mask=mask, scale=D**-0.5)
+        ctx.save_for_backward(out, lse, *given)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, lse, q, k, v, *tensors = ctx.saved_tensors
+        kv_heads = k.shape[1]
+        B, H, tq, D = q.shape
+        offset, scale = k.shape[-2] - tq, D**-0.5
+        k, v = _per_query_head(k, H), _per_query_head(v, H)
+        wanted = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[4:])]
+        needed = [t for t in wanted if t.requires_grad]
+        grad_q = torch.empty_like(q)
+        grad_k, grad_v = (q.new_zeros(B * H, k.shape[-2], D) for _ in range(2))  # accumulated in place
+        grad_t = [torch.zeros_like(t) for t in needed]
+        for start in range(0, tq, SCORE_ROWS):
+            end = min(tq, start + SCORE_ROWS)
+            keys, rows = offset + end, slice(start, end)
+            with torch.enable_grad():
+                values, masked = _causal_bias(ctx.bias, offset + start, end - start, keys, wanted, q.device)
+            q_c, k_c, v_c, g_c = q[..., rows, :], k[..., :keys, :], v[..., :keys, :], grad[..., rows, :]
+            p = (q_c @ k_c.transpose(-1, -2)).mul_(scale).add_(values.detach()).sub_(lse[..., rows, None])
+            p = p.exp_().masked_fill_(masked, 0.0)  # masked pairs read n = m: finite, then 0
+            delta = (g_c * out[..., rows, :]).sum(-1, keepdim=True)
+            ds = (g_c @ v_c.transpose(-1, -2)).sub_(delta).mul_(p)
+            n = end - start
+            grad_v[:, :keys].baddbmm_(p.view(B * H, n, keys).transpose(1, 2), g_c.reshape(B * H, n, D))
+            del p
+            grad_q[..., rows, :] = (ds @ k_c).mul_(scale)
+            grad_k[:, :keys].baddbmm_(ds.view(B * H, n, keys).transpose(1, 2), q_c.reshape(B * H, n, D), alpha=scale)
+            if needed:
+                for total, g in zip(grad_t, torch.autograd.grad(values, needed, ds.sum(0).to(values.dtype))):
+                    total += g
+        grads = iter(grad_t)
+        grad_k, grad_v = (g.view(B, H, -1, D) for g in (grad_k, grad_v))
+        return (grad_q, _grouped(grad_k, kv_heads), _grouped(grad_v, kv_heads), None,
+                *(next(grads) if t.requires_grad else None for t in wanted))
+
+
+def _write_column(k_ext: torch.Tensor, values: torch.Tensor, keys: int, centre: int, scale: float) -> None:
+    """k's extra column over keys 0..keys-1: (c_h(n) - c_h(centre)) / scale, rounded once from float64."""
+    c = values[..., :keys]
+    k_ext[..., :keys, -1] = (c - c[..., centre : centre + 1]) / scale
 
 
 def _chunked_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
@@ -262,7 +474,7 @@ def _document_attention(q, k, v, documents: Documents, bias: LayerBias | None, w
 
     def piece(qp, kp, vp, rows: slice, tokens: slice) -> torch.Tensor:
         terms = None if bias.terms is None else bias.terms[rows, :, tokens]
-        return _chunked_bias(qp, kp, vp, replace(bias, terms=terms, start=0 if documents.restart else tokens.start))
+        return _cpu_bias(qp, kp, vp, replace(bias, terms=terms, start=0 if documents.restart else tokens.start))
 
     return segment_attention(q, k, v, documents.ids, piece)
 

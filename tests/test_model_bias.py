@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
+import model.attention as attention_module
 from model import ModelConfig
 from model.attention import CausalSelfAttention, LayerBias, LayerCache, _chunked_bias
+from model.designs.alibi import AlibiBias, alibi_slopes
 from model.designs.fox import ForgetBias
 from model.documents import Documents, positions
 
@@ -105,9 +107,12 @@ def assert_same_with_gradients(out: torch.Tensor, want: torch.Tensor, inputs: li
 
 @pytest.mark.parametrize("arch", ["neox", "llama"])
 @pytest.mark.parametrize("design", DESIGNS)
-def test_layer_matches_the_papers_definition(design, arch):
-    """Output and gradients (x, projections, bias parameters), query rows across a chunk boundary
-    being too costly for the pair-by-pair reference: one chunk, 13 tokens (FIRE's L = 6 inside)."""
+def test_layer_matches_the_papers_definition(design, arch, monkeypatch):
+    """Output and gradients (x, projections, bias parameters), 13 tokens (FIRE's L = 6 inside) in
+    chunks of 5 query rows (3 in the additive kernel's backward), so the kernels' chunk boundaries
+    are crossed."""
+    monkeypatch.setattr(attention_module, "BIAS_CHUNK", 5)
+    monkeypatch.setattr(attention_module, "SCORE_ROWS", 3)
     layer = layer_of(design, arch)
     x = torch.randn(2, 13, 32, dtype=F64, requires_grad=True)
     t = x.shape[1]
@@ -116,9 +121,12 @@ def test_layer_matches_the_papers_definition(design, arch):
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_kv_cache_queries_at_shifted_positions(design):
+def test_kv_cache_queries_at_shifted_positions(design, monkeypatch):
     """A cache of 9 tokens then 4 more: the new queries sit at positions 9..12 (FIRE reads them),
-    with FoX's cached gates; the same as the full reference's last rows, with gradients."""
+    with FoX's cached gates; the same as the full reference's last rows, with gradients (chunks of
+    3 query rows)."""
+    monkeypatch.setattr(attention_module, "BIAS_CHUNK", 3)
+    monkeypatch.setattr(attention_module, "SCORE_ROWS", 3)
     layer = layer_of(design, "llama")
     x = torch.randn(1, 13, 32, dtype=F64, requires_grad=True)
     cache = LayerCache()
@@ -180,6 +188,57 @@ def test_fox_at_32k_tokens(dtype, tol):
     torch.testing.assert_close(out[..., rows, :].to(F64), want, rtol=tol, atol=tol)
 
 
+def rows_reference(q, k, v, bias_row, rows: list[int]) -> torch.Tensor:
+    """Float64 outputs of the given query rows with bias_row(m) [H, m + 1] over keys 0..m."""
+    out = []
+    for m in rows:
+        s = q[..., m : m + 1, :] @ k[..., : m + 1, :].transpose(-1, -2) / math.sqrt(q.shape[-1])
+        out.append(torch.softmax(s + bias_row(m)[..., None, :], dim=-1) @ v[..., : m + 1, :])
+    return torch.cat(out, dim=-2)
+
+
+@pytest.mark.parametrize("t", [8192, 32768])
+@pytest.mark.parametrize("design", ["alibi", "fox"])
+def test_fused_separable_bias_error_in_float32(design, t):
+    """ALiBi and FoX in float32 ride the fused kernel with the bias as an extra q/k column centred
+    on each chunk's middle row (`_KeyBiasAttention`). Its error against the float64 definition (same
+    rounded inputs) is float32's rounding of that column near each row's diagonal: per score at
+    most 2^-24 x the bias's span over half a chunk (ALiBi: s_h x 64, <= 45 for 16 heads' largest
+    slope, 2^-0.5; FoX: the largest |F_m - F_centre| in the data), moving the output by at most
+    that times |v_n - out| (< 5 here). Measured here (128-row chunks): ALiBi 1.7e-6 (8K), 3.1e-6
+    (32K); FoX 1.8e-6, 2.1e-6; this bound: 1.3e-5 (ALiBi), 1.0e-5 and 1.2e-5 (FoX). (The exact
+    additive path's error: ~3e-7. Centred on key 0 instead, the fused path's error is 1.1e-4 to
+    9.5e-4: this test fails.)"""
+    g = torch.Generator().manual_seed(0)
+    heads = 2 if design == "alibi" else 1
+    q, k, v = (torch.randn(1, heads, t, 8, generator=g) for _ in range(3))
+    half = attention_module.BIAS_CHUNK // 2
+    if design == "alibi":  # heads 0 and 1 of 16: the largest slopes, 2^-0.5 and 2^-1
+        bias = LayerBias(AlibiBias(16), heads=slice(0, heads))
+        slopes = alibi_slopes(16)[:heads]
+        span = float(slopes.max()) * half
+
+        def bias_row(m: int) -> torch.Tensor:
+            return -slopes[:, None] * (m - torch.arange(m + 1, dtype=F64))
+    else:  # the 32K test's gates: near 1 and near 0.5 (|F| ~ 1e4)
+        log_f = torch.nn.functional.logsigmoid(torch.randn(1, heads, t, generator=g) * 2 + 2)
+        bias = LayerBias(ForgetBias(heads, 8), log_f)
+        prefix = log_f.to(F64).cumsum(-1)
+        span = max(float((prefix[..., s : s + 2 * half] - prefix[..., s + (min(t, s + 2 * half) - s - 1) // 2, None])
+                         .abs().max()) for s in range(0, t, 2 * half))
+
+        def bias_row(m: int) -> torch.Tensor:
+            return (prefix[0, :, m, None] - prefix[0, :, : m + 1])
+    with torch.no_grad():
+        out = attention_module._cpu_bias(q, k, v, bias)  # causal_attention: compiled FlexAttention here (no grad)
+    assert torch.isfinite(out).all()
+    rows = [0, 1, 127, 128, 255, 256, 383, t // 2, t // 2 + 200, t - 129, t - 2, t - 1]
+    want = rows_reference(*(x.to(F64) for x in (q, k, v)), bias_row, rows)
+    tol = 5 * span * 2.0**-24
+    assert 1e-6 < tol < 1e-4
+    torch.testing.assert_close(out[..., rows, :].to(F64), want, rtol=0, atol=tol)
+
+
 @pytest.mark.parametrize("design", DESIGNS)
 def test_cpu_kernel_keeps_linear_memory_for_backward(design):
     """What autograd keeps for the backward pass grows linearly with the length (checkpointed chunks:
@@ -200,3 +259,22 @@ def test_cpu_kernel_keeps_linear_memory_for_backward(design):
         return sum(storages.values())
 
     assert saved_bytes(2048) <= 2.2 * saved_bytes(1024)
+
+
+def test_fire_pieces_are_the_mlp():
+    """FIRE's MLP evaluated as its linear pieces (`fire.pieces`) equals the MLP written out, values
+    and gradients of every weight and of x, in float64 over x spanning every breakpoint (a unit
+    with w1 = 0 included)."""
+    from model.designs.fire import pieces
+
+    g = torch.Generator().manual_seed(3)
+    w1, b1, w2, b2 = (torch.randn(*shape, dtype=F64, generator=g) for shape in ((32,), (32,), (4, 32), (4,)))
+    w1[5] = 0.0
+    weights = [p.requires_grad_() for p in (w1, b1, w2, b2)]
+    x = torch.linspace(-6, 6, 4001, dtype=F64).requires_grad_()
+    breaks, slope, intercept = pieces(*weights)
+    segment = torch.searchsorted(breaks, x.detach())
+    assert len(segment.unique()) > 20  # the grid crosses most breakpoints
+    got = slope[:, segment] * x + intercept[:, segment]
+    want = w2 @ torch.relu(w1[:, None] * x + b1[:, None]) + b2[:, None]
+    assert_same_with_gradients(got, want, [*weights, x])

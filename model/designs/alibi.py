@@ -35,6 +35,8 @@ class AlibiBias(ScoreBias):
     out of the state dict and of bf16 casts): float64 in `rows` (exact, then cast by the kernel),
     float32 in `score`."""
 
+    separable = True  # -s_h (m - n) = s_h n - s_h m
+
     def __init__(self, n_head: int, n_embd: int = 0):
         super().__init__()
         self.n_head = n_head
@@ -50,8 +52,11 @@ class AlibiBias(ScoreBias):
     def element(t, h, m, n, gap=None) -> torch.Tensor:
         return -t[0][h] * (m - n)
 
-    def rows(self, heads, m, n, gap=None) -> torch.Tensor:
+    def rows(self, heads, m, n, gap=None, t=None) -> torch.Tensor:
         return -self.slopes(m.device, torch.float64)[heads, None, None] * (m - n)
+
+    def key_values(self, heads, n, prefix=None) -> torch.Tensor:
+        return (self.slopes(n.device, torch.float64)[heads, None] * n)[None]
 
 
 ALIBI = Design(

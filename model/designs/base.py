@@ -41,6 +41,7 @@ class ScoreBias(nn.Module):
 
     n_head: int
     gated: bool = False  # whether the bias reads the layer input (`terms`): FoX's forget gates
+    separable: bool = False  # whether b_h(m, n) = c_h(n) - c_h(m) (`key_values`): ALiBi's, FoX's
 
     def reset_parameters(self) -> None:
         """The design's own initialisation of its parameters, run after the model's (which draws
@@ -62,10 +63,19 @@ class ScoreBias(nn.Module):
         FlexAttention compiles one score_mod per design for every layer."""
         raise NotImplementedError
 
-    def rows(self, heads: slice, m: torch.Tensor, n: torch.Tensor, gap: torch.Tensor | None = None) -> torch.Tensor:
+    def key_values(self, heads: slice, n: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
+        """c_h(n) [1 or B, heads, keys] in float64 for a `separable` bias, b_h(m, n) = c_h(n) - c_h(m),
+        at key positions n [keys] (a gated bias: from the prefix sums F [B, heads, keys]). Softmax
+        drops the per-row -c_h(m), so the bias rides the fused kernel as one more q/k dimension
+        (`model.attention._key_bias_attention`)."""
+        raise NotImplementedError(f"{type(self).__name__} is not separable")
+
+    def rows(self, heads: slice, m: torch.Tensor, n: torch.Tensor, gap: torch.Tensor | None = None,
+             t: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """b_h(m, n) for the query heads `heads`: [heads, rows, keys] (or [B, heads, rows, keys] for a
-        gated bias: gap is [B, heads, rows, keys]), float32 or wider."""
-        t = self.tensors(heads, m.device)
+        gated bias: gap is [B, heads, rows, keys]), float32 or wider; from `t`, this module's
+        `tensors(heads)` where given (a kernel that takes their gradients itself), else its own."""
+        t = self.tensors(heads, m.device) if t is None else t
         served = len(range(*heads.indices(self.n_head)))
         return self.element(t, torch.arange(served, device=m.device)[:, None, None], m, n, gap)
 

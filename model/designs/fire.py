@@ -13,7 +13,6 @@ counted from the document start under `doc_positions`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .base import Design, ScoreBias
@@ -63,11 +62,33 @@ class FireBias(ScoreBias):
             out = out + w2[h, u] * torch.relu(w1[u] * x + b1[u])
         return out
 
-    def rows(self, heads, m, n, gap=None) -> torch.Tensor:
-        c, threshold, w1, b1, w2, b2 = self.tensors(heads, m.device)
-        x = fire_input(c, threshold, m, n)  # [..., rows, keys]
-        hidden = F.relu(x[..., None] * w1 + b1)  # [..., rows, keys, 32]
-        return torch.movedim(F.linear(hidden, w2, b2), -1, -3)  # [..., H, rows, keys]
+    def rows(self, heads, m, n, gap=None, t=None) -> torch.Tensor:
+        """The MLP as its pieces: per element one segment lookup and one multiply-add per head
+        (~3x faster than the hidden layer's 32 units per element)."""
+        c, threshold, w1, b1, w2, b2 = self.tensors(heads, m.device) if t is None else t
+        x = fire_input(c, threshold, m, n)  # [rows, keys]
+        breaks, slope, intercept = pieces(w1, b1, w2, b2)
+        segment = torch.searchsorted(breaks, x.detach().contiguous()).flatten()
+        out = torch.addcmul(intercept.index_select(1, segment), slope.index_select(1, segment), x.flatten())
+        return out.view(-1, *x.shape)  # [H, rows, keys]
+
+
+def pieces(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+           b2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """f_h(x) = b2_h + sum_u w2_hu relu(w1_u x + b1_u) is linear between its sorted breakpoints
+    -b1_u / w1_u: (breaks [32], slope [H, 33], intercept [H, 33]) with f_h(x) = slope_h[s] x +
+    intercept_h[s] on segment s = the number of breaks below x. Unit u is active on segment s when
+    x is past its break (s > its rank) and w1_u > 0, or before it and w1_u < 0 (w1_u = 0: when
+    b1_u > 0); slope and intercept are sums of w2 w1 and w2 b1 over the active units, so the
+    weights get their gradients through them (and x through the slope)."""
+    flat = w1 == 0
+    breaks = torch.where(flat, torch.inf, -b1 / torch.where(flat, 1.0, w1)).detach()
+    order = breaks.argsort()
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device)
+    past = rank[None, :] < torch.arange(len(order) + 1, device=order.device)[:, None]  # [33, 32]
+    active = torch.where(flat, b1 > 0, torch.where(w1 > 0, past, ~past)).to(w2.dtype)
+    return breaks[order].contiguous(), (w2 * w1) @ active.T, (w2 * b1) @ active.T + b2[:, None]
 
 
 FIRE = Design(

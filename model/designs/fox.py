@@ -25,6 +25,7 @@ class ForgetBias(ScoreBias):
     """b_h(m, n) = F_m - F_n, F the prefix sums of log sigmoid(gate(x))_h."""
 
     gated = True
+    separable = True  # F_m - F_n
 
     def __init__(self, n_head: int, n_embd: int):
         super().__init__()
@@ -37,6 +38,9 @@ class ForgetBias(ScoreBias):
     @staticmethod
     def element(t, h, m, n, gap=None) -> torch.Tensor:
         return gap
+
+    def key_values(self, heads, n, prefix) -> torch.Tensor:
+        return -prefix
 
 
 FOX = Design(

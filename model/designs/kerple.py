@@ -45,6 +45,15 @@ class KerpleBias(ScoreBias):
         r1, r2 = t
         return -r1[h] * torch.log1p(r2[h] * (m - n))
 
+    def rows(self, heads, m, n, gap=None, t=None) -> torch.Tensor:
+        """The bias of each distance once ([H, distances]), then looked up per pair: one gather per
+        head and element instead of a log1p and two multiplies (and their gradients)."""
+        r1, r2 = self.tensors(heads, m.device) if t is None else t
+        d = (m - n).expand(m.shape[0], n.shape[1])
+        distances = torch.arange(int(d.max()) + 1, device=d.device)
+        table = -r1[:, None] * torch.log1p(r2[:, None] * distances)
+        return table.index_select(1, d.flatten()).view(-1, *d.shape)
+
 
 KERPLE = Design(
     key="kerple", attention="kerple", label="kerple", name="KERPLE-log", colour="#8c564b",

@@ -163,8 +163,8 @@ def test_new_designs_compared_with_published_origin_runs(tmp_path: Path) -> None
     cfg = (tmp_path / "kerple_s1" / "config.yaml").read_text()
     assert "attention: kerple" in cfg and "name: study_kerple_s1" in cfg and "kind: synthetic" in cfg
     assert (results / "kerple_s1" / "passkey_progress.md").exists()
-    summary = (results / "seeds_summary.csv").read_text()
-    assert ",origin,none,256," in summary and ",kerple,none,256," in summary
+    ppl = (results / "compare_ppl.csv").read_text()  # one seed each: the per-run comparison, no seed report
+    assert "\norigin,none,256," in ppl and "\nkerple,none,256," in ppl
 
 
 TINY_EXTENSION = """metric: passkey

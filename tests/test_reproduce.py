@@ -150,8 +150,8 @@ def test_perplexity_study_shortened(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_new_designs_compared_with_published_origin_runs(tmp_path: Path) -> None:
-    """The retrieval arm for new designs trains only them (the study's preset with the design's
-    attention) and reports them beside Origin runs published elsewhere, which are not retrained."""
+    """With PUBLISHED set, the retrieval arm for new designs trains only them (the study's preset with
+    the design's attention) and reports them beside the Origin runs published there, not retrained."""
     published = tmp_path / "study"
     shutil.copytree(ROOT / "docs" / "results" / "study" / "origin_s1", published / "origin_s1")
     results = tmp_path / "results"

@@ -39,10 +39,6 @@ from .designs.base import ScoreBias
 from .documents import Documents, causal_segments, segment_attention
 from .sequence_parallel import SequenceParallel
 
-# On CPU, FlexAttention runs compiled forward only (no backward in torch 2.13) and compiling costs
-# ~30 s once per process plus a few seconds per new length; below this query length the chunked
-# SDPA path is used instead (see `bias_attention`).
-CPU_FLEX_MIN_LEN = 1024
 # Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
 # path's float32 error is proportional to it (`_KeyBiasAttention`).
 BIAS_CHUNK = 128
@@ -141,15 +137,12 @@ def _needs_backward(bias: LayerBias, *xs: torch.Tensor) -> bool:
 
 
 def bias_attention(q, k, v, bias: LayerBias) -> torch.Tensor:
-    """Attention with a score bias on the fastest correct kernel available.
-
-    FlexAttention with a score modification (O(N) memory) on GPU, and on CPU for long inputs that
-    need no backward pass; otherwise (CPU training, short inputs, KV-cache steps) SDPA over chunks
-    of query rows with an additive bias that uses a large finite negative for masked keys (never
-    -inf, which has produced NaN in CPU SDPA at long lengths).
-    """
-    tq, tk = q.shape[-2], k.shape[-2]
-    if tq == tk and (q.is_cuda or (not _needs_backward(bias, q, k, v) and tq >= CPU_FLEX_MIN_LEN)):
+    """Attention with a score bias on the fastest correct kernel available: FlexAttention with a
+    score modification (O(N) memory) on GPU; on CPU, training and evaluation alike, the fused
+    kernels of `_cpu_bias` (CPU FlexAttention has no backward, and in forward it is about half as
+    fast as they are and needs a compile per shape). KV-cache steps (fewer queries than keys) take
+    the CPU kernels on either device."""
+    if q.is_cuda and q.shape[-2] == k.shape[-2]:
         return _flex_bias(q, k, v, bias)
     return _cpu_bias(q, k, v, bias)
 

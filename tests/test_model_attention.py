@@ -191,17 +191,19 @@ def test_attention_layer_matches_reference(kind, rotary_pct):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_cpu_flex_alibi_matches_chunked_path(monkeypatch, kv_heads):
-    """Long no-grad ALiBi on CPU uses compiled FlexAttention (~30 s compile): same result as chunks
-    (with GQA too)."""
+def test_flex_alibi_matches_chunked_path_and_cpu_evaluation_does_not_use_it(monkeypatch, kv_heads):
+    """The GPU kernel (compiled FlexAttention, ~30 s compile; run here on CPU) gives the chunked
+    path's result (with GQA too); long no-grad inputs on CPU take the fused kernel, not FlexAttention."""
     import model.attention as attention
 
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(1, heads, attention.CPU_FLEX_MIN_LEN, 16, generator=g) for heads in (4, kv_heads, kv_heads))
-    chunked_bias = attention._chunked_bias
+    q, k, v = (torch.randn(1, heads, 1024, 16, generator=g) for heads in (4, kv_heads, kv_heads))
     with torch.no_grad():
-        chunked = chunked_bias(q, k, v, LayerBias(AlibiBias(4)))
-        monkeypatch.setattr(attention, "_chunked_bias", None)  # the flex path must not fall back
-        flex = causal_attention(q, k, v, LayerBias(AlibiBias(4)))
+        chunked = attention._chunked_bias(q, k, v, LayerBias(AlibiBias(4)))
+        flex = attention._flex_bias(q, k, v, LayerBias(AlibiBias(4)))
+        monkeypatch.setattr(attention, "_flex_bias", None)  # CPU must not reach it
+        monkeypatch.setattr(attention, "_chunked_bias", None)  # nor the exact path, in fp32
+        fused = causal_attention(q, k, v, LayerBias(AlibiBias(4)))
     assert torch.isfinite(flex).all()
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fused, chunked, rtol=1e-4, atol=1e-5)

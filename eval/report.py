@@ -507,9 +507,11 @@ def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggreg
               "family, for comparison with the full analysis.", ""]
     else:
         md = [f"## Pre-registered comparisons (`{_shown(family.path)}`)", ""]
+    resampled = ("seeds within each design, each one value" if family.metric == "ppl_ratio"
+                 else "seeds within each design, then cases within each drawn seed")
     md += [f"{SEED_TITLES[family.metric]}, a vs b (under one scaling, or a's vs b's), {family.size} tests. "
            "Effect: difference of seed means (a - b) with its 95% cluster-bootstrap interval "
-           f"({family.resamples} resamples: seeds within each design, then cases within each drawn seed). "
+           f"({family.resamples} resamples: {resampled}). "
            "p: exact two-sided permutation test over seeds. Holm: adjusted over the whole family "
            f"(cells not tested count as p = 1); significant: Holm p < {family.alpha}.", ""]
     body = []

@@ -268,11 +268,21 @@ def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _causal_bias(bias: LayerBias, first: int, rows: int, keys: int, t: tuple[torch.Tensor, ...],
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(b_h(m, n) [H, rows, keys] of query rows at key positions first.. over keys 0..first + rows -
-    1, from the bias's tensors t; whether each pair is masked, n > m [rows, keys])."""
+                 device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """b_h(m, n) [H, rows, keys] as `dtype` of query rows at key positions first.. over keys
+    0..first + rows - 1, from the bias's tensors t, with the dtype's lowest value where n > m
+    (exp of it underflows to 0, so the masked pairs' probabilities are 0 in forward and backward).
+    A bias of the distance alone is a Toeplitz matrix: windows of its table reversed and padded
+    with the masked value, no per-pair index (`ScoreBias.distance_table`)."""
+    lowest = torch.finfo(dtype).min
+    table = bias.module.distance_table(bias.heads, first + rows, t)
+    if table is not None:  # row m, key n: padded[first + rows - 1 - m + n], windows of `keys`
+        masked = table.new_full((table.shape[0], rows - 1), lowest, dtype=dtype)
+        padded = torch.cat([table.flip(-1).to(dtype), masked], -1)
+        return padded.unfold(-1, keys, 1).flip(1)
     m = torch.arange(first, first + rows, device=device)[:, None]
-    return bias.rows(first, rows, keys, None, device, t), torch.arange(keys, device=device)[None, :] > m
+    values = bias.rows(first, rows, keys, None, device, t).to(dtype)
+    return values.masked_fill(torch.arange(keys, device=device)[None, :] > m, lowest)
 
 
 class _AdditiveBiasAttention(torch.autograd.Function):
@@ -296,8 +306,7 @@ class _AdditiveBiasAttention(torch.autograd.Function):
         for start in range(0, tq, BIAS_CHUNK):
             end = min(tq, start + BIAS_CHUNK)
             keys = offset + end
-            values, masked = _causal_bias(bias, offset + start, end - start, keys, tensors, q.device)
-            mask = values.to(q.dtype).masked_fill_(masked, torch.finfo(q.dtype).min)[None]
+            mask = _causal_bias(bias, offset + start, end - start, keys, tensors, q.device, q.dtype)[None]
             out[..., start:end, :], lse[..., start:end] = _FLASH(
                 q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], 0.0, False, attn_mask=mask, scale=D**-0.5)
         ctx.save_for_backward(out, lse, *given)
@@ -319,10 +328,10 @@ class _AdditiveBiasAttention(torch.autograd.Function):
             end = min(tq, start + SCORE_ROWS)
             keys, rows = offset + end, slice(start, end)
             with torch.enable_grad():
-                values, masked = _causal_bias(ctx.bias, offset + start, end - start, keys, wanted, q.device)
+                values = _causal_bias(ctx.bias, offset + start, end - start, keys, wanted, q.device, q.dtype)
             q_c, k_c, v_c, g_c = q[..., rows, :], k[..., :keys, :], v[..., :keys, :], grad[..., rows, :]
             p = (q_c @ k_c.transpose(-1, -2)).mul_(scale).add_(values.detach()).sub_(lse[..., rows, None])
-            p = p.exp_().masked_fill_(masked, 0.0)  # masked pairs read n = m: finite, then 0
+            p = p.exp_()  # masked pairs: exp(lowest) = 0
             delta = (g_c * out[..., rows, :]).sum(-1, keepdim=True)
             ds = (g_c @ v_c.transpose(-1, -2)).sub_(delta).mul_(p)
             n = end - start

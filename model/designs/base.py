@@ -70,6 +70,12 @@ class ScoreBias(nn.Module):
         (`model.attention._key_bias_attention`)."""
         raise NotImplementedError(f"{type(self).__name__} is not separable")
 
+    def distance_table(self, heads: slice, distances: int, t: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """b_h at distances 0..distances-1 [heads, distances] from `tensors` t, for a bias of the
+        distance alone (KERPLE's); None otherwise. The CPU kernel then builds a chunk's bias as a
+        Toeplitz view of it, with no per-pair index or mask."""
+        return None
+
     def rows(self, heads: slice, m: torch.Tensor, n: torch.Tensor, gap: torch.Tensor | None = None,
              t: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """b_h(m, n) for the query heads `heads`: [heads, rows, keys] (or [B, heads, rows, keys] for a

@@ -15,6 +15,7 @@ from matplotlib import pyplot
 from matplotlib.figure import Figure
 
 from eval import aggregate, plots, report
+from model.designs.registry import DESIGNS
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
@@ -45,6 +46,8 @@ REPORTS = {
     "pilot": (lambda: sorted(RESULTS.joinpath("pilot").glob("*_s?")), aggregate.FAMILY_FILE),
     "perplexity/pilot": (lambda: _study_runs(RESULTS / "perplexity" / "pilot", ("origin",)),
                          aggregate.FAMILY_FILE.with_name("perplexity.yaml")),
+    "perplexity": (lambda: _study_runs(RESULTS / "perplexity", tuple(DESIGNS)),
+                   aggregate.FAMILY_FILE.with_name("perplexity.yaml")),
     "extension": (_extension_runs, aggregate.FAMILY_FILE.with_name("extension.yaml")),
     "study": (_study, aggregate.FAMILY_FILE),
     "study/bar_only": (_study, aggregate.FAMILY_FILE),

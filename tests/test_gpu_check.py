@@ -20,7 +20,8 @@ import pytest
 from bench import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("origin", "alibi", "coca", "coca_strict")
+# Two of the four presets under ZeRO 2 (the paper's dry run trains all four), CoCA under ZeRO 3.
+VARIANTS = ("origin", "coca_strict")
 STAGES = ["env", *(f"z2_{v}" for v in VARIANTS), "z3_coca", "resume", "bench_train", "bench_attention",
           "bench_doc_mask", "bench_sequence_parallel", "bench_train_compiled"]
 OUT_FILES = {"summary.md", "results.jsonl", "metrics.jsonl", "bench.md", "env.txt", "log.txt"}
@@ -41,7 +42,7 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     (wheels / "CONDITIONS").write_text("# name|range\npyarrow|>=0.1\ntyping-extensions|<0.1\n")
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(out), "WORK": str(work), "WHEELS": str(wheels),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "VARIANTS": " ".join(VARIANTS)}
     result = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -54,7 +55,7 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     assert list(stages) == STAGES
     assert all(stages[s]["status"] == "ok" for s in STAGES[:-1]), (out / "summary.md").read_text()
     assert stages["bench_train_compiled"]["status"] == "skipped"
-    for name in STAGES[1:6]:
+    for name in STAGES[1:len(VARIANTS) + 2]:
         run = stages[name]
         assert run["steps"] == 8 and run["loss_last"] < run["loss_first"] and run["tokens_per_s"] > 0
         assert run["peak_mem_gb"] > 0
@@ -69,10 +70,10 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
         assert ("coca_form: strict" in config) == (v == "coca_strict")
         assert not (work / "runs" / f"z2_{v}" / "checkpoints").exists()  # removed: GBs each on a GPU
     assert json.loads((work / "runs" / "z3_coca" / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
-    assert "attention: alibi" in (work / "runs" / "z2_alibi" / "config.yaml").read_text()
+    assert "attention: coca" in (work / "runs" / "z3_coca" / "config.yaml").read_text()
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert {r["run"] for r in records} == set(STAGES[1:7])
+    assert {r["run"] for r in records} == set(STAGES[1:len(VARIANTS) + 3])
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
 
     env_txt = (out / "env.txt").read_text()
@@ -83,7 +84,7 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     assert "| N | B | documents / row | attention |" in bench and "## bench_doc_mask" in bench
     assert "| tokens | P=1 peak MiB |" in bench and "## bench_sequence_parallel" in bench
     summary = (out / "summary.md").read_text()
-    assert "RESULT: 11 stages ok; skipped: bench_train_compiled" in summary
+    assert f"RESULT: {len(STAGES) - 1} stages ok; skipped: bench_train_compiled" in summary
 
 
 def _metrics(run_dir: Path, losses: list[float], start: int = 1) -> Path:

@@ -267,27 +267,9 @@ def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _causal_bias(bias: LayerBias, first: int, rows: int, keys: int, t: tuple[torch.Tensor, ...],
-                 device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """b_h(m, n) [H, rows, keys] as `dtype` of query rows at key positions first.. over keys
-    0..first + rows - 1, from the bias's tensors t, with the dtype's lowest value where n > m
-    (exp of it underflows to 0, so the masked pairs' probabilities are 0 in forward and backward).
-    A bias of the distance alone is a Toeplitz matrix: windows of its table reversed and padded
-    with the masked value, no per-pair index (`ScoreBias.distance_table`)."""
-    lowest = torch.finfo(dtype).min
-    table = bias.module.distance_table(bias.heads, first + rows, t)
-    if table is not None:  # row m, key n: padded[first + rows - 1 - m + n], windows of `keys`
-        masked = table.new_full((table.shape[0], rows - 1), lowest, dtype=dtype)
-        padded = torch.cat([table.flip(-1).to(dtype), masked], -1)
-        return padded.unfold(-1, keys, 1).flip(1)
-    m = torch.arange(first, first + rows, device=device)[:, None]
-    values = bias.rows(first, rows, keys, None, device, t).to(dtype)
-    return values.masked_fill(torch.arange(keys, device=device)[None, :] > m, lowest)
-
-
 class _AdditiveBiasAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(D) + b_h(m, n)) v for a bias that reads no per-token terms (KERPLE, FIRE)
-    in fp32 / fp64 on CPU: per chunk of BIAS_CHUNK query rows, the bias computed from the module's
+    in fp32 / fp64 on CPU: per chunk of BIAS_CHUNK query rows, the bias (`ScoreBias.causal_block`) from the module's
     `tensors` (inputs here, so their gradients flow to the parameters) and the fused flash kernel
     with it as an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for
     Origin); backward, per chunk of SCORE_ROWS rows, recomputes the bias and runs the softmax
@@ -306,7 +288,8 @@ class _AdditiveBiasAttention(torch.autograd.Function):
         for start in range(0, tq, BIAS_CHUNK):
             end = min(tq, start + BIAS_CHUNK)
             keys = offset + end
-            mask = _causal_bias(bias, offset + start, end - start, keys, tensors, q.device, q.dtype)[None]
+            mask = bias.module.causal_block(bias.heads, offset + start, end - start, bias.start, tensors, q.device,
+                                              q.dtype)[None]
             out[..., start:end, :], lse[..., start:end] = _FLASH(
                 q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], 0.0, False, attn_mask=mask, scale=D**-0.5)
         ctx.save_for_backward(out, lse, *given)
@@ -328,7 +311,8 @@ class _AdditiveBiasAttention(torch.autograd.Function):
             end = min(tq, start + SCORE_ROWS)
             keys, rows = offset + end, slice(start, end)
             with torch.enable_grad():
-                values = _causal_bias(ctx.bias, offset + start, end - start, keys, wanted, q.device, q.dtype)
+                values = ctx.bias.module.causal_block(ctx.bias.heads, offset + start, end - start, ctx.bias.start,
+                                                      wanted, q.device, q.dtype)
             q_c, k_c, v_c, g_c = q[..., rows, :], k[..., :keys, :], v[..., :keys, :], grad[..., rows, :]
             p = (q_c @ k_c.transpose(-1, -2)).mul_(scale).add_(values.detach()).sub_(lse[..., rows, None])
             p = p.exp_()  # masked pairs: exp(lowest) = 0

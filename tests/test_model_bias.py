@@ -278,3 +278,35 @@ def test_fire_pieces_are_the_mlp():
     got = slope[:, segment] * x + intercept[:, segment]
     want = w2 @ torch.relu(w1[:, None] * x + b1[:, None]) + b2[:, None]
     assert_same_with_gradients(got, want, [*weights, x])
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_fire_chunk_by_runs_is_the_masked_mlp(dtype):
+    """The CPU kernel's FIRE chunk (`FireBias.causal_block`: the MLP's pieces read by runs of keys)
+    equals the generic chunk (`ScoreBias.causal_block`: every pair's piece searched, then masked):
+    values bitwise (float32 too: the study's FIRE runs train on it), gradients of every FIRE tensor
+    in float64 (in float32 they are sums in another order), with breakpoints spread over x's range (a
+    unit with w1 = 0 included), rows below and beyond L, chunks not at key 0 and shifted positions."""
+    from model.designs.base import ScoreBias
+    from model.designs.fire import FireBias
+
+    torch.manual_seed(0)
+    fire = FireBias(4).to(dtype)
+    with torch.no_grad():
+        fire.mlp_in.weight.normal_(0, 1)
+        fire.mlp_in.bias.copy_(-fire.mlp_in.weight[:, 0] * torch.rand(32, dtype=dtype))  # breaks in (0, 1)
+        fire.mlp_in.weight[3] = 0.0
+        fire.l_multiplier.fill_(40 / 512)
+        fire.c.fill_(0.3)
+    lowest = torch.finfo(dtype).min
+    for first, rows, start in [(0, 7, 0), (30, 9, 5), (100, 16, 0), (3, 1, 2), (200, 128, 0)]:
+        tensors = tuple(t.detach().requires_grad_() for t in fire.tensors(slice(None), "cpu"))
+        got = fire.causal_block(slice(None), first, rows, start, tensors, "cpu", dtype)
+        want = ScoreBias.causal_block(fire, slice(None), first, rows, start, tensors, "cpu", dtype)
+        assert torch.equal(got, want)
+        assert (got == lowest).sum() == 4 * rows * (rows - 1) // 2
+        if dtype == F64:
+            weights = torch.randn_like(got)
+            for a, e in zip(torch.autograd.grad((got * weights).sum(), tensors),
+                            torch.autograd.grad((want * weights).sum(), tensors)):
+                torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)

@@ -72,9 +72,30 @@ class ScoreBias(nn.Module):
 
     def distance_table(self, heads: slice, distances: int, t: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """b_h at distances 0..distances-1 [heads, distances] from `tensors` t, for a bias of the
-        distance alone (KERPLE's); None otherwise. The CPU kernel then builds a chunk's bias as a
-        Toeplitz view of it, with no per-pair index or mask."""
+        distance alone (KERPLE's); None otherwise. `causal_block` then builds a chunk's bias as a
+        Toeplitz view of it."""
         return None
+
+    def causal_block(self, heads: slice, first: int, rows: int, start: int, t: tuple[torch.Tensor, ...],
+                     device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """b_h(m, n) [heads, rows, keys] as `dtype` of query rows first..first+rows-1 over keys
+        0..first+rows-1 (indices; positions add `start`), with the dtype's lowest value where n > m
+        (exp of it underflows to 0, so the masked pairs' probabilities are 0 in forward and
+        backward): the CPU kernel's bias of one chunk of query rows, from `tensors` t (their
+        gradients flow). By default `rows`, masked; a bias of the distance alone is a Toeplitz
+        matrix: windows of its `distance_table` reversed and padded with the masked value, no
+        per-pair index or mask."""
+        keys = first + rows
+        lowest = torch.finfo(dtype).min
+        table = self.distance_table(heads, keys, t)
+        if table is not None:  # row m, key n: padded[keys - 1 - m + n], windows of `keys`
+            masked = table.new_full((table.shape[0], rows - 1), lowest, dtype=dtype)
+            padded = torch.cat([table.flip(-1).to(dtype), masked], -1)
+            return padded.unfold(-1, keys, 1).flip(1)
+        m = torch.arange(first, keys, device=device)[:, None] + start
+        n = torch.arange(keys, device=device)[None, :] + start
+        values = self.rows(heads, m, torch.minimum(n, m), None, t).to(dtype)
+        return values.masked_fill(n > m, lowest)
 
     def rows(self, heads: slice, m: torch.Tensor, n: torch.Tensor, gap: torch.Tensor | None = None,
              t: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:

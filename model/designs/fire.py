@@ -73,6 +73,71 @@ class FireBias(ScoreBias):
         return out.view(-1, *x.shape)  # [H, rows, keys]
 
 
+    def causal_block(self, heads, first, rows, start, t, device, dtype) -> torch.Tensor:
+        """The CPU kernel's chunk (`ScoreBias.causal_block`) by runs: x falls along each row (the
+        distance grows to the left) and is 0 from the diagonal on, so each linear piece covers one
+        run of a row's keys. One search per row and breakpoint finds the runs; each element then
+        reads its run's piece, and the pieces' gradients are sums over runs (`_RunPieces`): no
+        per-element search, scatter or mask."""
+        c, threshold, w1, b1, w2, b2 = t
+        keys = first + rows
+        m = torch.arange(first, keys, device=device)[:, None] + start
+        n = torch.minimum(torch.arange(keys, device=device)[None, :] + start, m)
+        breaks, slope, intercept = pieces(w1, b1, w2, b2)
+        return _RunPieces.apply(fire_input(c, threshold, m, n), slope, intercept, breaks, dtype)
+
+
+class _RunPieces(torch.autograd.Function):
+    """b_h = slope_h[s] x + intercept_h[s] on x [rows, keys] (falling along each row, the last
+    rows - 1 - i keys of row i masked), s the piece of x (`pieces`), as `dtype` [H, rows, keys] with
+    the dtype's lowest value at masked keys. A row's keys in order are runs of the pieces from the
+    last (32) to the first, then the masked keys: a run's length is the difference of two counts
+    of keys with x above a breakpoint (`searchsorted` in the row), and the gradients of slope and
+    intercept are `segment_reduce` sums over the runs, of g x and g."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, breaks: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        rows, keys = x.shape
+        H, n_pieces = slope.shape
+        # above[i, k]: keys of row i with x > breaks[k], a prefix of the row (x falls along it; the
+        # running minimum keeps the counts falling even if rounding ever broke that by an ulp)
+        above = torch.searchsorted(-x.detach(), (-breaks).expand(rows, -1).contiguous()).cummin(1).values
+        edges = torch.cat([above.new_full((rows, 1), keys), above, above.new_zeros(rows, 1)], 1)
+        runs = (edges[:, :-1] - edges[:, 1:]).flip(1)  # [rows, pieces]: run lengths, the last piece first
+        masked = torch.arange(rows - 1, -1, -1, device=x.device)[:, None]  # n > m: the end of the zero run
+        zero_run = n_pieces - 1 - int(torch.searchsorted(breaks, breaks.new_zeros(1)))
+        runs[:, zero_run] -= masked[:, 0]
+        runs = torch.cat([runs, masked], 1)  # [rows, pieces + 1], each row's sum: keys
+        order = torch.arange(n_pieces, device=x.device).flip(0)
+        piece = torch.cat([order, order.new_full((1,), n_pieces)])  # the masked run reads an extra piece
+        index = piece.repeat(rows).repeat_interleave(runs.flatten(), output_size=rows * keys)
+        extra = torch.stack([slope.new_zeros(H), slope.new_full((H,), torch.finfo(dtype).min)])  # 0 x + lowest
+        table = torch.cat([torch.cat([slope, intercept]), extra.view(2 * H, 1)], 1)  # [2H, pieces + 1]
+        read = table.index_select(1, index)  # one gather for both: ~1/3 faster than two
+        out = torch.addcmul(read[H:], read[:H], x.flatten())
+        ctx.save_for_backward(x, read[:H], runs)
+        return out.view(H, rows, keys).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, slope_read, runs = ctx.saved_tensors
+        H, rows, keys = grad.shape
+        g = grad.to(x.dtype).reshape(H, rows * keys)
+        lengths = runs.flatten().expand(H, -1).contiguous()
+
+        def run_sums(values: torch.Tensor) -> torch.Tensor:  # [H, rows * keys] -> [H, pieces], pieces 0..32
+            sums = torch.segment_reduce(values, "sum", lengths=lengths, axis=1, unsafe=True)
+            return sums.view(H, rows, -1)[..., :-1].sum(1).flip(-1)  # the masked run dropped
+
+        grad_x = None  # the masked run's slope is 0: no gradient there
+        if ctx.needs_input_grad[0]:
+            grad_x = (g * slope_read).sum(0).view(rows, keys)
+        grad_slope = run_sums(g * x.flatten()) if ctx.needs_input_grad[1] else None
+        grad_intercept = run_sums(g) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_slope, grad_intercept, None, None
+
+
 def pieces(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
            b2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """f_h(x) = b2_h + sum_u w2_hu relu(w1_u x + b1_u) is linear between its sorted breakpoints

@@ -43,9 +43,10 @@ from .sequence_parallel import SequenceParallel
 # path's float32 error is proportional to it (`_KeyBiasAttention`).
 BIAS_CHUNK = 128
 # Query rows per chunk of the additive-mask kernel's backward (`_AdditiveBiasAttention`), which
-# holds a few [H, rows, keys] tensors (bias, probabilities, score gradient) at a time: its memory
-# beyond Origin's (bench.attention, 8K, H=8: peak ~0.9x Origin's at 16 rows, 1.2x at 32, ~20% faster).
-SCORE_ROWS = 16
+# holds a few [H, rows, keys] tensors (bias, probabilities, score gradient) at a time. bench.attention's
+# peaks, H=8, fp32, as multiples of Origin's: 16 and 32 rows 0.7-0.85x at 8K and 1.07-1.1x at 2K
+# (KERPLE, FIRE), 64 rows 1.0-1.04x at 8K; time at 4K: 32 rows 15-20% less than 16, 64 another 5%.
+SCORE_ROWS = 32
 
 
 @dataclass(frozen=True)

@@ -116,12 +116,12 @@ class _RunPieces(torch.autograd.Function):
         table = torch.cat([torch.cat([slope, intercept]), extra.view(2 * H, 1)], 1)  # [2H, pieces + 1]
         read = table.index_select(1, index)  # one gather for both: ~1/3 faster than two
         out = torch.addcmul(read[H:], read[:H], x.flatten())
-        ctx.save_for_backward(x, read[:H], runs)
+        ctx.save_for_backward(x, table[:H], index, runs)  # the index, not the reads: 1/8 of their memory
         return out.view(H, rows, keys).to(dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, slope_read, runs = ctx.saved_tensors
+        x, slope, index, runs = ctx.saved_tensors
         H, rows, keys = grad.shape
         g = grad.to(x.dtype).reshape(H, rows * keys)
         lengths = runs.flatten().expand(H, -1).contiguous()
@@ -130,11 +130,12 @@ class _RunPieces(torch.autograd.Function):
             sums = torch.segment_reduce(values, "sum", lengths=lengths, axis=1, unsafe=True)
             return sums.view(H, rows, -1)[..., :-1].sum(1).flip(-1)  # the masked run dropped
 
+        # one [H, rows * keys] temporary at a time beside g
+        grad_intercept = run_sums(g) if ctx.needs_input_grad[2] else None
+        grad_slope = run_sums(g * x.flatten()) if ctx.needs_input_grad[1] else None
         grad_x = None  # the masked run's slope is 0: no gradient there
         if ctx.needs_input_grad[0]:
-            grad_x = (g * slope_read).sum(0).view(rows, keys)
-        grad_slope = run_sums(g * x.flatten()) if ctx.needs_input_grad[1] else None
-        grad_intercept = run_sums(g) if ctx.needs_input_grad[2] else None
+            grad_x = slope.index_select(1, index).mul_(g).sum(0).view(rows, keys)
         return grad_x, grad_slope, grad_intercept, None, None
 
 

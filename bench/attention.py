@@ -15,8 +15,8 @@ buffer, softmax).
 Memory is the peak growth beyond the inputs: on GPU `torch.cuda.max_memory_allocated`; on CPU the
 growth of the peak resident set over one run in a fresh subprocess per case, after resetting the
 kernel's peak mark (Linux `/proc/self/clear_refs`; the import of torch alone peaks higher than many
-cases). Time is the best of `--repeats` runs after a warm-up, the
-variants timed round-robin in one process (fair on a shared machine).
+cases), with glibc's mmap threshold fixed (`WORKER_ENV`). Time is the best of `--repeats` runs
+after a warm-up, the variants timed round-robin in one process (fair on a shared machine).
 Cases whose N x N tensors would exceed `--max-gib` are skipped and shown as "-".
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -36,6 +37,10 @@ from model.config import ModelConfig, RopeScaling
 from model.designs import BY_LABEL, Design, Rope, RopeTables, apply_rope
 from model.designs.coca import COCA_SLACK, coca_tie
 
+# glibc's mmap threshold fixed at 1 MiB in the memory workers: every tensor of a MiB or more is its own
+# mapping, returned when freed, so the peak tracks the live tensors (with the moving threshold, Origin's
+# 8K peak varied from 220 to 330 MiB between runs; fixed: 179-180).
+WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 RELEASED = "coca-released"  # the released CoCA code's formulation (below), on CoCA slack's layer
 VARIANTS = (*BY_LABEL, RELEASED)
 
@@ -165,7 +170,7 @@ def measure(n: int, args) -> dict[str, dict]:
             peaks[variant] = peak_memory(variant, n, args)
             continue
         cmd = [sys.executable, "-m", "bench.attention", "--worker", variant, str(n)] + worker_flags(args)
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=WORKER_ENV)
         if done.returncode:
             raise RuntimeError(f"{variant} at N={n} failed:\n{done.stderr[-2000:]}")
         peaks[variant] = json.loads(done.stdout.strip().splitlines()[-1])

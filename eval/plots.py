@@ -296,52 +296,58 @@ def bands_figure(
     line per design (rows of `eval.aggregate.summarise` for one metric: `group`, `scaling`,
     `length`, `n`, `mean`, `low`, `high`). `unit_range` fixes the y-axis at 0..1 (accuracies); a
     percentile bootstrap of accuracies stays inside it. `reference` (e.g. `PAPER_PPL_RATIOS`):
-    per scaling kind (`none`, `dynamic`), design -> values at 1x, 2x, 4x, ... `train_len`, drawn
-    dashed in the design's colour up to the cells' longest length, on a log axis up to at least
-    `REFERENCE_TOP` (the paper's Origin leaves it at 2x)."""
+    per scaling kind (`none`, `dynamic`), design -> values at 1x, 2x, 4x, ... `train_len`; the
+    panels are then drawn twice: zoomed to the cells, and below, with the reference dashed in the
+    design's colour up to the cells' longest length, on a log axis up to at least `REFERENCE_TOP`
+    (the paper's Origin leaves it at 2x)."""
     panels: dict[str, list[dict]] = {"none": []}
     for c in cells:
         panels.setdefault(c["scaling"], []).append(c)
     panels = {s: rows for s, rows in panels.items() if rows}
-    fig, axes = grid(len(panels), PANEL, legend_width=2.4)
+    rows_of_panels = 2 if reference and train_len else 1
+    fig, axes = grid(len(panels) * rows_of_panels, PANEL, legend_width=2.4,
+                     cols=len(panels) if rows_of_panels == 2 else None)
     handles: dict[str, Line2D] = {}
-    for ax, (scaling, rows) in zip(axes, panels.items()):
-        lengths: list[int] = []
-        for design in dict.fromkeys(c["group"] for c in rows):
-            here = sorted((c for c in rows if c["group"] == design), key=lambda c: c["length"])
-            x = [c["length"] for c in here]
-            lengths += x
-            color = design_color(design)
-            ax.fill_between(
-                x, [c["low"] for c in here], [c["high"] for c in here], color=color, alpha=0.15, linewidth=0
-            )
-            ax.plot(
-                x, [c["mean"] for c in here], marker="o", markersize=4, color=color, clip_on=not unit_range
-            )
-            n = max(c["n"] for c in here)
-            handles.setdefault(
-                design,
-                Line2D(
-                    [], [], marker="o", markersize=4, color=color, label=f"{design} ({n} seed{'s' * (n > 1)})"
-                ),
-            )
-        if reference and train_len:
-            longest = max(lengths) // train_len
-            for design, values in reference.get(scaling.split(":")[0], {}).items():
-                shown = values[:longest.bit_length()]  # 1x .. the longest length of the cells
-                ax.plot([train_len * 2**i for i in range(len(shown))], shown, linestyle="--", linewidth=1,
-                        color=design_color(design))
-            ax.set_ylim(min(c["low"] if c["n"] > 1 else c["mean"] for c in rows) / 1.05,
-                        max(REFERENCE_TOP, *(c["high"] if c["n"] > 1 else c["mean"] for c in rows)) * 1.05)
-        _length_axis(ax, lengths, train_len)
-        _value_axis(ax, ylabel, log_y or bool(reference), unit_range)
-        ax.set_title(scaling_title(scaling), fontsize=10)
+    for row in range(rows_of_panels):
+        shown = reference if row == 1 else None
+        for ax, (scaling, rows) in zip(axes[row * len(panels):], panels.items()):
+            _band_panel(ax, scaling, rows, handles, ylabel, train_len, log_y, unit_range, shown)
     band = Patch(color="grey", alpha=0.3, label="95% cluster-bootstrap\ninterval (seeds, then cases)")
     extra = [Line2D([], [], color="grey", linestyle="--", linewidth=1,
                     label="the paper's Table 1\n(350M, at 1x, 2x, ... its\ntraining length)")] if reference else []
     _figure_legend(fig, list(handles.values()) + [band] + extra + _train_len_handle(train_len))
     fig.suptitle(f"{title}: seed mean per design")
     return fig
+
+
+def _band_panel(ax: Axes, scaling: str, rows: list[dict], handles: dict[str, Line2D], ylabel: str,
+                train_len: int | None, log_y: bool, unit_range: bool,
+                reference: dict[str, dict[str, list[float]]] | None) -> None:
+    """One panel of `bands_figure`: each design's seed means and band under one scaling (and the
+    reference, if given); adds each design's legend entry to `handles` once."""
+    lengths: list[int] = []
+    for design in dict.fromkeys(c["group"] for c in rows):
+        here = sorted((c for c in rows if c["group"] == design), key=lambda c: c["length"])
+        x = [c["length"] for c in here]
+        lengths += x
+        color = design_color(design)
+        ax.fill_between(x, [c["low"] for c in here], [c["high"] for c in here], color=color, alpha=0.15, linewidth=0)
+        ax.plot(x, [c["mean"] for c in here], marker="o", markersize=4, color=color, clip_on=not unit_range)
+        n = max(c["n"] for c in here)
+        handles.setdefault(design, Line2D([], [], marker="o", markersize=4, color=color,
+                                          label=f"{design} ({n} seed{'s' * (n > 1)})"))
+    if reference and train_len:
+        longest = max(lengths) // train_len
+        for design, values in reference.get(scaling.split(":")[0], {}).items():
+            shown = values[:longest.bit_length()]  # 1x .. the longest length of the cells
+            ax.plot([train_len * 2**i for i in range(len(shown))], shown, linestyle="--", linewidth=1,
+                    color=design_color(design))
+        ax.set_ylim(min(c["low"] if c["n"] > 1 else c["mean"] for c in rows) / 1.05,
+                    max(REFERENCE_TOP, *(c["high"] if c["n"] > 1 else c["mean"] for c in rows)) * 1.05)
+    _length_axis(ax, lengths, train_len)
+    _value_axis(ax, ylabel, log_y or bool(reference), unit_range)
+    title = scaling_title(scaling)
+    ax.set_title(f"{title}, with the paper's Table 1" if reference else title, fontsize=10)
 
 
 def depth_figure(grids: Mapping[str, tuple[list[int], list[float], np.ndarray]]) -> Figure:

@@ -34,7 +34,7 @@ def hybrid_layer(params: HybridParams, index: int, n_layer: int) -> Design:
 
 
 HYBRID = Design(
-    key="hybrid", attention="hybrid", label="hybrid", name="NoPE/RoPE hybrid", colour="#ad494a",
+    key="hybrid", attention="hybrid", label="hybrid", name="NoPE/RoPE hybrid", colour="#000000",
     summary="every k-th layer global NoPE, the others RoPE in a sliding window of W tokens",
     qk=origin_qk, params=HybridParams, for_layer=hybrid_layer, from_origin="keep",
 )

@@ -44,8 +44,9 @@ from .sequence_parallel import SequenceParallel
 BIAS_CHUNK = 128
 # Query rows per chunk of the additive-mask kernel's backward (`_AdditiveBiasAttention`), which
 # holds a few [H, rows, keys] tensors (bias, probabilities, score gradient) at a time. bench.attention's
-# peaks, H=8, fp32, as multiples of Origin's: 16 and 32 rows 0.7-0.85x at 8K and 1.07-1.1x at 2K
-# (KERPLE, FIRE), 64 rows 1.0-1.04x at 8K; time at 4K: 32 rows 15-20% less than 16, 64 another 5%.
+# 8K peaks, H=8, fp32, as multiples of Origin's: KERPLE 0.93x at 16 rows, 1.02x at 32, 1.19x at 64;
+# FIRE 1.18x at 16 and 32 (its forward's chunk bias), 1.39x at 64. Time at 4K: 32 rows 15-20% less
+# than 16, 64 another 5%.
 SCORE_ROWS = 32
 
 

@@ -48,6 +48,10 @@ BIAS_CHUNK = 128
 # FIRE 1.18x at 16 and 32 (its forward's chunk bias), 1.39x at 64. Time at 4K: 32 rows 15-20% less
 # than 16, 64 another 5%.
 SCORE_ROWS = 32
+# Keys per kernel call in the fused bias kernel's backward (`_KeyBiasAttention`, ALiBi and FoX): its
+# key gradients per call are [B, H, keys, D + 1]; bench.attention, H=8, fp32: ALiBi's 8K peak 1.20x
+# Origin's with the earlier keys in one call, 1.11x in blocks of 2048, 1.07x of 1024 (and ~10% less time).
+BACKWARD_KEYS = 1024
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,18 @@ def _chunks(tq: int, offset: int):
         yield slice(start, end), last, offset + (start + end - 1) // 2, parts
 
 
+def _key_blocks(parts):
+    """A chunk's kernel calls with the earlier keys cut into blocks of at most BACKWARD_KEYS: the
+    backward's key gradients per call are then [B, H, <= BACKWARD_KEYS, D + 1], not as long as the
+    row (the merged output and log-sum-exp make any split of the keys exact)."""
+    for part, causal in parts:
+        if causal:
+            yield part, causal
+            continue
+        for start in range(part.start, part.stop, BACKWARD_KEYS):
+            yield slice(start, min(part.stop, start + BACKWARD_KEYS)), False
+
+
 class _KeyBiasAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(D) + c_h(n) - c_h(m)) v (causal, query i at key position Tk - Tq + i)
     on the fused CPU flash kernel: softmax drops -c_h(m), so q gets a column of ones and k the
@@ -208,10 +224,10 @@ class _KeyBiasAttention(torch.autograd.Function):
     |c_h(n) - c_h(centre)| 2^-24, which near a row's diagonal, where its probability mass is, is
     at most half a chunk's span of the bias, at any length (far keys carry large values but
     exp(-large) weight). Each chunk is two kernel calls merged by their log-sum-exps; backward
-    calls the kernel's backward on both with the merged output and log-sum-exp, so nothing is
-    recomputed and only q, k, v (views of the projection), c, the output and the log-sum-exps are
-    kept, as for Origin. c's gradient is the column's (FoX's gates); the centre is a constant, as
-    the output does not depend on it."""
+    calls the kernel's backward on the same keys (the earlier ones in blocks: `_key_blocks`) with
+    the merged output and log-sum-exp, so nothing is recomputed and only q, k, v (views of the
+    projection), c, the output and the log-sum-exps are kept, as for Origin. c's gradient is the
+    column's (FoX's gates); the centre is a constant, as the output does not depend on it."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -247,7 +263,7 @@ class _KeyBiasAttention(torch.autograd.Function):
             q_c, grad_c = F.pad(q[..., rows, :], (0, 1), value=1.0), F.pad(grad[..., rows, :], (0, 1))
             _write_column(k_ext, values, keys, centre, scale)
             total = 0
-            for part, causal in parts:
+            for part, causal in _key_blocks(parts):
                 dq, dk, dv = _FLASH_BACKWARD(grad_c, q_c, k_ext[..., part, :], v_ext[..., part, :],
                                              out[..., rows, :], lse[..., rows], 0.0, causal, scale=scale)
                 total = total + dq

@@ -109,10 +109,11 @@ def assert_same_with_gradients(out: torch.Tensor, want: torch.Tensor, inputs: li
 @pytest.mark.parametrize("design", DESIGNS)
 def test_layer_matches_the_papers_definition(design, arch, monkeypatch):
     """Output and gradients (x, projections, bias parameters), 13 tokens (FIRE's L = 6 inside) in
-    chunks of 5 query rows (3 in the additive kernel's backward), so the kernels' chunk boundaries
-    are crossed."""
+    chunks of 5 query rows (3 in the additive kernel's backward, keys in blocks of 2 in the fused
+    one's), so the kernels' chunk boundaries are crossed."""
     monkeypatch.setattr(attention_module, "BIAS_CHUNK", 5)
     monkeypatch.setattr(attention_module, "SCORE_ROWS", 3)
+    monkeypatch.setattr(attention_module, "BACKWARD_KEYS", 2)  # FoX's backward: earlier keys in blocks
     layer = layer_of(design, arch)
     x = torch.randn(2, 13, 32, dtype=F64, requires_grad=True)
     t = x.shape[1]

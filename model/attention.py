@@ -287,9 +287,9 @@ def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 class _AdditiveBiasAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(D) + b_h(m, n)) v for a bias that reads no per-token terms (KERPLE, FIRE)
-    in fp32 / fp64 on CPU: per chunk of BIAS_CHUNK query rows, the bias (`ScoreBias.causal_block`) from the module's
-    `tensors` (inputs here, so their gradients flow to the parameters) and the fused flash kernel
-    with it as an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for
+    in fp32 / fp64 on CPU: per chunk of BIAS_CHUNK query rows, the bias (`ScoreBias.causal_block`)
+    from the module's `tensors` (inputs here, so their gradients flow to the parameters) and the
+    fused flash kernel with it as an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for
     Origin); backward, per chunk of SCORE_ROWS rows, recomputes the bias and runs the softmax
     backward itself (the kernel's backward gives no score gradient, which the bias's tensors need):
     P = exp(S + b - lse), dS = P (dO v^T - rowsum(dO O))."""

@@ -112,11 +112,11 @@ class _RunPieces(torch.autograd.Function):
         order = torch.arange(n_pieces, device=x.device, dtype=torch.int32).flip(0)  # int32: half an int64 index
         piece = torch.cat([order, order.new_full((1,), n_pieces)])  # the masked run reads an extra piece
         index = piece.repeat(rows).repeat_interleave(runs.flatten(), output_size=rows * keys)
-        extra = torch.stack([slope.new_zeros(H), slope.new_full((H,), torch.finfo(dtype).min)])  # 0 x + lowest
-        table = torch.cat([torch.cat([slope, intercept]), extra.view(2 * H, 1)], 1)  # [2H, pieces + 1]
-        read = table.index_select(1, index)  # one gather reads both
-        out = torch.addcmul(read[H:], read[:H], x.flatten())
-        ctx.save_for_backward(x, table[:H], index, runs)  # the index, not the reads: 4 bytes per pair, not 8H
+        slope = torch.cat([slope, slope.new_zeros(H, 1)], 1)  # the masked piece: 0 x + lowest
+        intercept = torch.cat([intercept, intercept.new_full((H, 1), torch.finfo(dtype).min)], 1)
+        # two [H, pairs] at a time: the intercepts read, then the slopes added in place
+        out = intercept.index_select(1, index).addcmul_(slope.index_select(1, index), x.flatten())
+        ctx.save_for_backward(x, slope, index, runs)  # the index, not the reads: 4 bytes per pair, not 8H
         return out.view(H, rows, keys).to(dtype)
 
     @staticmethod

@@ -48,9 +48,11 @@ BIAS_CHUNK = 128
 # FIRE 1.18x at 16 and 32 (its forward's chunk bias), 1.39x at 64. Time at 4K: 32 rows 15-20% less
 # than 16, 64 another 5%.
 SCORE_ROWS = 32
-# Keys per kernel call in the fused bias kernel's backward (`_KeyBiasAttention`, ALiBi and FoX): its
-# key gradients per call are [B, H, keys, D + 1]; bench.attention, H=8, fp32: ALiBi's 8K peak 1.20x
-# Origin's with the earlier keys in one call, 1.11x in blocks of 2048, 1.07x of 1024 (and ~10% less time).
+# Keys per block in the fused bias kernel's backward (`_KeyBiasAttention`, ALiBi and FoX): a block's
+# extended k and v and its key gradients per call are [B, H, keys, D + 1]; bench.attention, H=8, fp32:
+# ALiBi's 8K peak 1.20x Origin's with the earlier keys in one call, 1.11x in blocks of 2048, 1.07x of
+# 1024 (and ~10% less time); with the extended copies per block, not of the whole k and v: 0.89x at
+# 8K, 1.19x -> 1.02x at 2K, the same time.
 BACKWARD_KEYS = 1024
 
 
@@ -203,16 +205,11 @@ def _chunks(tq: int, offset: int):
         yield slice(start, end), last, offset + (start + end - 1) // 2, parts
 
 
-def _key_blocks(parts):
-    """A chunk's kernel calls with the earlier keys cut into blocks of at most BACKWARD_KEYS: the
-    backward's key gradients per call are then [B, H, <= BACKWARD_KEYS, D + 1], not as long as the
-    row (the merged output and log-sum-exp make any split of the keys exact)."""
-    for part, causal in parts:
-        if causal:
-            yield part, causal
-            continue
-        for start in range(part.start, part.stop, BACKWARD_KEYS):
-            yield slice(start, min(part.stop, start + BACKWARD_KEYS)), False
+def _key_blocks(keys: int):
+    """The keys in blocks of at most BACKWARD_KEYS, the fused kernel's backward's unit: one block's
+    extended k and v and its key gradients per call, [B, H, <= BACKWARD_KEYS, D + 1], not the row's."""
+    for start in range(0, keys, BACKWARD_KEYS):
+        yield slice(start, min(keys, start + BACKWARD_KEYS))
 
 
 class _KeyBiasAttention(torch.autograd.Function):
@@ -224,8 +221,9 @@ class _KeyBiasAttention(torch.autograd.Function):
     |c_h(n) - c_h(centre)| 2^-24, which near a row's diagonal, where its probability mass is, is
     at most half a chunk's span of the bias, at any length (far keys carry large values but
     exp(-large) weight). Each chunk is two kernel calls merged by their log-sum-exps; backward
-    calls the kernel's backward on the same keys (the earlier ones in blocks: `_key_blocks`) with
-    the merged output and log-sum-exp, so nothing is recomputed and only q, k, v (views of the
+    calls the kernel's backward on the same keys with the merged output and log-sum-exp, block of
+    earlier keys by block (`_key_blocks`: the extended copies are a block's, not the whole k and v),
+    so nothing is recomputed and only q, k, v (views of the
     projection), c, the output and the log-sum-exps are kept, as for Origin. c's gradient is the
     column's (FoX's gates); the centre is a constant, as the output does not depend on it."""
 
@@ -237,7 +235,7 @@ class _KeyBiasAttention(torch.autograd.Function):
         out, lse = q.new_empty(B, H, tq, D + 1), q.new_empty(B, H, tq)
         for rows, keys, centre, parts in _chunks(tq, k.shape[-2] - tq):
             q_c = F.pad(q[..., rows, :], (0, 1), value=1.0)
-            _write_column(k_ext, values, keys, centre, scale)
+            _write_column(k_ext[..., :keys, :], values, slice(0, keys), centre, scale)
             merged, total = None, None
             for part, causal in parts:
                 o, lse_part = _FLASH(q_c, k_ext[..., part, :], v_ext[..., part, :], 0.0, causal, scale=scale)
@@ -255,23 +253,33 @@ class _KeyBiasAttention(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         q, k, v, values, out, lse = ctx.saved_tensors
         B, H, tq, D = q.shape
-        scale = D**-0.5
-        k_ext, v_ext = _extended(k, H), _extended(v, H)
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        scale, offset = D**-0.5, k.shape[-2] - tq
+        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         column = q.new_zeros(B, H, k.shape[-2]) if ctx.needs_input_grad[3] else None
-        for rows, keys, centre, parts in _chunks(tq, k.shape[-2] - tq):
+
+        def call(rows: slice, part: slice, centre: int, causal: bool, k_ext: torch.Tensor, v_ext: torch.Tensor):
+            """The kernel's backward for query rows `rows` over keys `part` (k_ext, v_ext: their extension)."""
+            _write_column(k_ext, values, part, centre, scale)
             q_c, grad_c = F.pad(q[..., rows, :], (0, 1), value=1.0), F.pad(grad[..., rows, :], (0, 1))
-            _write_column(k_ext, values, keys, centre, scale)
-            total = 0
-            for part, causal in _key_blocks(parts):
-                dq, dk, dv = _FLASH_BACKWARD(grad_c, q_c, k_ext[..., part, :], v_ext[..., part, :],
-                                             out[..., rows, :], lse[..., rows], 0.0, causal, scale=scale)
-                total = total + dq
-                grad_k[..., part, :] += _narrowed(dk, k.shape[1])
-                grad_v[..., part, :] += _narrowed(dv, v.shape[1])
-                if column is not None:
-                    column[..., part] += dk[..., -1]
-            grad_q[..., rows, :] = total[..., :D]
+            dq, dk, dv = _FLASH_BACKWARD(grad_c, q_c, k_ext, v_ext, out[..., rows, :], lse[..., rows], 0.0, causal,
+                                         scale=scale)
+            grad_q[..., rows, :] += dq[..., :D]
+            grad_k[..., part, :] += _narrowed(dk, k.shape[1])
+            grad_v[..., part, :] += _narrowed(dv, v.shape[1])
+            if column is not None:
+                column[..., part] += dk[..., -1]
+
+        # each block of earlier keys extended once, then every chunk of rows after it
+        for block in _key_blocks(k.shape[-2]):
+            k_ext, v_ext = _extended(k[..., block, :], H), _extended(v[..., block, :], H)
+            for rows, _, centre, parts in _chunks(tq, offset):
+                if len(parts) > 1 and parts[1][0].stop > block.start:
+                    part = slice(block.start, min(block.stop, parts[1][0].stop))
+                    n = part.stop - part.start
+                    call(rows, part, centre, False, k_ext[..., :n, :], v_ext[..., :n, :])
+        for rows, _, centre, parts in _chunks(tq, offset):  # each chunk's own square block
+            part = parts[0][0]
+            call(rows, part, centre, True, _extended(k[..., part, :], H), _extended(v[..., part, :], H))
         grad_values = None
         if column is not None:  # the column is c_h(n) / scale
             grad_values = column.to(torch.float64) / scale
@@ -350,10 +358,10 @@ class _AdditiveBiasAttention(torch.autograd.Function):
                 *(next(grads) if t.requires_grad else None for t in wanted))
 
 
-def _write_column(k_ext: torch.Tensor, values: torch.Tensor, keys: int, centre: int, scale: float) -> None:
-    """k's extra column over keys 0..keys-1: (c_h(n) - c_h(centre)) / scale, rounded once from float64."""
-    c = values[..., :keys]
-    k_ext[..., :keys, -1] = (c - c[..., centre : centre + 1]) / scale
+def _write_column(k_ext: torch.Tensor, values: torch.Tensor, part: slice, centre: int, scale: float) -> None:
+    """The extra column of k_ext, k extended over the keys `part`: (c_h(n) - c_h(centre)) / scale,
+    rounded once from float64."""
+    k_ext[..., -1] = (values[..., part] - values[..., centre : centre + 1]) / scale
 
 
 def _chunked_bias(q, k, v, bias: LayerBias) -> torch.Tensor:

@@ -19,19 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # pytest -n N: the cores are shared among N workers
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
-# The files that take minutes (clean-clone CI on 2 cores: test_reproduce.py ~6.5 min, the extension
-# chain and the GPU dry run ~2.5 min each, the rest about a minute), longest first. `--dist loadfile`
-# hands each worker whole files in collection order (pyproject.toml turns off xdist's reordering by
-# test count, which put these few-test files last, leaving one worker running them alone at the end).
-LONGEST_FIRST = ("test_reproduce.py", "test_reproduce_extension.py", "test_gpu_check.py", "test_train_e2e.py",
-                 "test_sequence_parallel.py", "test_hf_journey.py", "test_train_preempt.py", "test_op_build.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the files of LONGEST_FIRST first, in its order; the rest keep theirs."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 @pytest.fixture
 def single_thread():

@@ -273,10 +273,10 @@ class _KeyBiasAttention(torch.autograd.Function):
         for block in _key_blocks(k.shape[-2]):
             k_ext, v_ext = _extended(k[..., block, :], H), _extended(v[..., block, :], H)
             for rows, _, centre, parts in _chunks(tq, offset):
-                if len(parts) > 1 and parts[1][0].stop > block.start:
-                    part = slice(block.start, min(block.stop, parts[1][0].stop))
-                    n = part.stop - part.start
-                    call(rows, part, centre, False, k_ext[..., :n, :], v_ext[..., :n, :])
+                own = parts[0][0]  # the chunk's square block; its earlier keys are those before it
+                n = min(block.stop, own.start) - block.start
+                if n > 0:
+                    call(rows, slice(block.start, block.start + n), centre, False, k_ext[..., :n, :], v_ext[..., :n, :])
         for rows, _, centre, parts in _chunks(tq, offset):  # each chunk's own square block
             part = parts[0][0]
             call(rows, part, centre, True, _extended(k[..., part, :], H), _extended(v[..., part, :], H))

@@ -42,12 +42,14 @@ from .sequence_parallel import SequenceParallel
 # Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
 # path's float32 error is proportional to it (`_KeyBiasAttention`).
 BIAS_CHUNK = 128
-# Query rows per chunk of the additive-mask kernel's backward (`_AdditiveBiasAttention`), which
-# holds a few [H, rows, keys] tensors (bias, probabilities, score gradient) at a time. bench.attention's
-# 8K peaks, H=8, fp32, as multiples of Origin's: KERPLE 0.93x at 16 rows, 1.02x at 32, 1.19x at 64;
-# FIRE 1.18x at 16 and 32 (its forward's chunk bias), 1.39x at 64. Time at 4K: 32 rows 15-20% less
-# than 16, 64 another 5%.
-SCORE_ROWS = 32
+# The additive-mask kernel's tile (`_AdditiveBiasAttention`, KERPLE and FIRE): query rows per chunk of
+# its backward and keys per tile of both passes, so that its [H, rows, keys] tensors (bias,
+# probabilities, score gradient) stay a few MiB at any length and its matmuls are 128 rows deep.
+# bench.attention, H=8, fp32, idle: over whole rows in 32-row chunks FIRE took 1.86x Origin's time at
+# 4K (1.6x ALiBi's); in 128 x 512 tiles 1.5x ALiBi's at 8K, 1.4x at 2K. 1024-key tiles cost about
+# the same time and lift the 2K peaks (KERPLE 1.00x -> 1.18x Origin's, FIRE 1.11x -> 1.28x).
+SCORE_ROWS = 128
+SCORE_KEYS = 512
 # Keys per block in the fused bias kernel's backward (`_KeyBiasAttention`, ALiBi and FoX): a block's
 # extended k and v and its key gradients per call are [B, H, keys, D + 1]; bench.attention, H=8, fp32:
 # ALiBi's 8K peak 1.20x Origin's with the earlier keys in one call, 1.11x in blocks of 2048, 1.07x of
@@ -205,6 +207,16 @@ def _chunks(tq: int, offset: int):
         yield slice(start, end), last, offset + (start + end - 1) // 2, parts
 
 
+def _merge(out: torch.Tensor | None, lse: torch.Tensor | None, part: torch.Tensor,
+           part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over some keys (out, lse; None: none yet) and over others (part, part_lse) as
+    attention over both: each weighted by its share of the combined log-sum-exp."""
+    if out is None:
+        return part, part_lse
+    both = torch.logaddexp(lse, part_lse)
+    return out * (lse - both).exp()[..., None] + part * (part_lse - both).exp()[..., None], both
+
+
 def _key_blocks(keys: int):
     """The keys in blocks of at most BACKWARD_KEYS, the fused kernel's backward's unit: one block's
     extended k and v and its key gradients per call, [B, H, <= BACKWARD_KEYS, D + 1], not the row's."""
@@ -236,15 +248,10 @@ class _KeyBiasAttention(torch.autograd.Function):
         for rows, keys, centre, parts in _chunks(tq, k.shape[-2] - tq):
             q_c = F.pad(q[..., rows, :], (0, 1), value=1.0)
             _write_column(k_ext[..., :keys, :], values, slice(0, keys), centre, scale)
-            merged, total = None, None
+            merged = total = None
             for part, causal in parts:
                 o, lse_part = _FLASH(q_c, k_ext[..., part, :], v_ext[..., part, :], 0.0, causal, scale=scale)
-                if merged is None:
-                    merged, total = o, lse_part
-                    continue
-                both = torch.logaddexp(total, lse_part)
-                merged = merged * (total - both).exp()[..., None] + o * (lse_part - both).exp()[..., None]
-                total = both
+                merged, total = _merge(merged, total, o, lse_part)
             out[..., rows, :], lse[..., rows] = merged, total
         ctx.save_for_backward(q, k, v, values, out, lse)
         return out[..., :D]
@@ -295,12 +302,14 @@ def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 class _AdditiveBiasAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(D) + b_h(m, n)) v for a bias that reads no per-token terms (KERPLE, FIRE)
-    in fp32 / fp64 on CPU: per chunk of BIAS_CHUNK query rows, the bias (`ScoreBias.causal_block`)
-    from the module's `tensors` (inputs here, so their gradients flow to the parameters) and the
-    fused flash kernel with it as an additive mask. Only q, k, v, the output and the log-sum-exps are kept (as for
-    Origin); backward, per chunk of SCORE_ROWS rows, recomputes the bias and runs the softmax
-    backward itself (the kernel's backward gives no score gradient, which the bias's tensors need):
-    P = exp(S + b - lse), dS = P (dO v^T - rowsum(dO O))."""
+    in fp32 / fp64 on CPU, tile by tile: per chunk of BIAS_CHUNK query rows and tile of about
+    SCORE_KEYS keys (`_score_tiles`), the bias (`ScoreBias.causal_block`, from the module's `tensors`,
+    inputs here so that their gradients flow to the parameters, `prepared` once per call) and the
+    fused flash kernel with it as an additive mask, the tiles merged by log-sum-exp. Only q, k, v,
+    the output and the log-sum-exps are kept (as for Origin); backward, per chunk of SCORE_ROWS
+    rows and tile, recomputes the bias and runs the softmax backward itself (the kernel's backward
+    gives no score gradient, which the bias's tensors need): P = exp(S + b - lse),
+    dS = P (dO v^T - rowsum(dO O))."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias,
@@ -310,52 +319,80 @@ class _AdditiveBiasAttention(torch.autograd.Function):
         ctx.bias = bias
         given = (q, k, v, *tensors)
         k, v = _per_query_head(k, H), _per_query_head(v, H)
+        prepared = bias.module.prepared(tensors)
         out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(B, H, tq)
         for start in range(0, tq, BIAS_CHUNK):
             end = min(tq, start + BIAS_CHUNK)
-            keys = offset + end
-            mask = bias.module.causal_block(bias.heads, offset + start, end - start, bias.start, tensors, q.device,
-                                              q.dtype)[None]
-            out[..., start:end, :], lse[..., start:end] = _FLASH(
-                q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], 0.0, False, attn_mask=mask, scale=D**-0.5)
+            rows, first = slice(start, end), offset + start
+            merged = total = None
+            for keys in _score_tiles(first, offset + end):
+                mask = bias.module.causal_block(bias.heads, first, end - start, keys, bias.start, prepared, q.device,
+                                                q.dtype)[None]
+                o, lse_tile = _FLASH(q[..., rows, :], k[..., keys, :], v[..., keys, :], 0.0, False, attn_mask=mask,
+                                     scale=D**-0.5)
+                merged, total = _merge(merged, total, o, lse_tile)
+            out[..., rows, :], lse[..., rows] = merged, total
         ctx.save_for_backward(out, lse, *given)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out, lse, q, k, v, *tensors = ctx.saved_tensors
-        kv_heads = k.shape[1]
+        kv_heads, module, heads, start = k.shape[1], ctx.bias.module, ctx.bias.heads, ctx.bias.start
         B, H, tq, D = q.shape
         offset, scale = k.shape[-2] - tq, D**-0.5
         k, v = _per_query_head(k, H), _per_query_head(v, H)
         wanted = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[4:])]
         needed = [t for t in wanted if t.requires_grad]
+        with torch.enable_grad():
+            prepared = module.prepared(wanted)
+        inner = [t for t in prepared if t.requires_grad]  # the tiles' gradients go to these, then to `needed`
         grad_q = torch.empty_like(q)
         grad_k, grad_v = (q.new_zeros(B * H, k.shape[-2], D) for _ in range(2))  # accumulated in place
-        grad_t = [torch.zeros_like(t) for t in needed]
-        for start in range(0, tq, SCORE_ROWS):
-            end = min(tq, start + SCORE_ROWS)
-            keys, rows = offset + end, slice(start, end)
-            with torch.enable_grad():
-                values = ctx.bias.module.causal_block(ctx.bias.heads, offset + start, end - start, ctx.bias.start,
-                                                      wanted, q.device, q.dtype)
-            q_c, k_c, v_c, g_c = q[..., rows, :], k[..., :keys, :], v[..., :keys, :], grad[..., rows, :]
-            p = (q_c @ k_c.transpose(-1, -2)).mul_(scale).add_(values.detach()).sub_(lse[..., rows, None])
-            p = p.exp_()  # masked pairs: exp(lowest) = 0
-            delta = (g_c * out[..., rows, :]).sum(-1, keepdim=True)
-            ds = (g_c @ v_c.transpose(-1, -2)).sub_(delta).mul_(p)
-            n = end - start
-            grad_v[:, :keys].baddbmm_(p.view(B * H, n, keys).transpose(1, 2), g_c.reshape(B * H, n, D))
-            del p
-            grad_q[..., rows, :] = (ds @ k_c).mul_(scale)
-            grad_k[:, :keys].baddbmm_(ds.view(B * H, n, keys).transpose(1, 2), q_c.reshape(B * H, n, D), alpha=scale)
-            if needed:
-                for total, g in zip(grad_t, torch.autograd.grad(values, needed, ds.sum(0).to(values.dtype))):
-                    total += g
-        grads = iter(grad_t)
+        grad_inner = [torch.zeros_like(t) for t in inner]
+        for begin in range(0, tq, SCORE_ROWS):
+            end = min(tq, begin + SCORE_ROWS)
+            rows, n, first = slice(begin, end), end - begin, offset + begin
+            q_c = q[..., rows, :].reshape(B * H, n, D)
+            g_c = grad[..., rows, :].reshape(B * H, n, D)
+            q_scaled = q_c * scale
+            minus_lse = lse[..., rows, None].neg()
+            delta = (grad[..., rows, :] * out[..., rows, :]).sum(-1).view(B * H, n, 1)
+            grad_q_c = q.new_zeros(B * H, n, D)
+            for keys in _score_tiles(first, offset + end):
+                w = keys.stop - keys.start
+                with torch.enable_grad():
+                    values = module.causal_block(heads, first, n, keys, start, prepared, q.device, q.dtype)
+                k_t, v_t = k[..., keys, :].reshape(B * H, w, D), v[..., keys, :].reshape(B * H, w, D)
+                # P = exp(b - lse + (q scale) k^T): the scores accumulated onto b - lse, in the bias's
+                # own storage where it is a fresh tensor (autograd keeps no bias: FIRE's, the default)
+                p = values.detach()
+                p = p.add_(minus_lse[0]) if B == 1 and p.is_contiguous() else p + minus_lse
+                p = p.view(B * H, n, w).baddbmm_(q_scaled, k_t.mT).exp_()
+                ds = (g_c @ v_t.mT).sub_(delta).mul_(p)  # masked pairs: exp(lowest) = 0
+                grad_v[:, keys].baddbmm_(p.mT, g_c)
+                del p
+                grad_q_c.baddbmm_(ds, k_t)
+                grad_k[:, keys].baddbmm_(ds.mT, q_c, alpha=scale)
+                if inner:
+                    ds = ds.view(B, H, n, w)
+                    ds = ds[0] if B == 1 else ds.sum(0)  # the bias is the same in every row of the batch
+                    for total, g in zip(grad_inner, torch.autograd.grad(values, inner, ds, materialize_grads=True)):
+                        total += g
+            grad_q[..., rows, :] = grad_q_c.view(B, H, n, D).mul_(scale)
+        grads = iter(torch.autograd.grad(inner, needed, grad_inner, materialize_grads=True) if inner else ())
         grad_k, grad_v = (g.view(B, H, -1, D) for g in (grad_k, grad_v))
         return (grad_q, _grouped(grad_k, kv_heads), _grouped(grad_v, kv_heads), None,
                 *(next(grads) if t.requires_grad else None for t in wanted))
+
+
+def _score_tiles(first: int, keys: int):
+    """The keys 0..keys-1 of query rows at first.. in tiles of about SCORE_KEYS (the additive
+    kernel's backward's unit, [B, H, rows, tile] tensors): the earlier keys in blocks, the last
+    one running on to the end, so that every row has a key in every tile."""
+    starts = range(0, max(first, 1), SCORE_KEYS)
+    for a, b in zip(starts, [*starts[1:], keys]):
+        yield slice(a, b)
 
 
 def _write_column(k_ext: torch.Tensor, values: torch.Tensor, part: slice, centre: int, scale: float) -> None:

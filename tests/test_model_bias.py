@@ -109,10 +109,11 @@ def assert_same_with_gradients(out: torch.Tensor, want: torch.Tensor, inputs: li
 @pytest.mark.parametrize("design", DESIGNS)
 def test_layer_matches_the_papers_definition(design, arch, monkeypatch):
     """Output and gradients (x, projections, bias parameters), 13 tokens (FIRE's L = 6 inside) in
-    chunks of 5 query rows (3 in the additive kernel's backward, keys in blocks of 2 in the fused
-    one's), so the kernels' chunk boundaries are crossed."""
+    chunks of 5 query rows (3 in the additive kernel's backward, over tiles of 4 keys; keys in
+    blocks of 2 in the fused kernel's backward), so the kernels' chunk boundaries are crossed."""
     monkeypatch.setattr(attention_module, "BIAS_CHUNK", 5)
     monkeypatch.setattr(attention_module, "SCORE_ROWS", 3)
+    monkeypatch.setattr(attention_module, "SCORE_KEYS", 4)
     monkeypatch.setattr(attention_module, "BACKWARD_KEYS", 2)  # FoX's backward: earlier keys in blocks
     layer = layer_of(design, arch)
     x = torch.randn(2, 13, 32, dtype=F64, requires_grad=True)
@@ -125,9 +126,10 @@ def test_layer_matches_the_papers_definition(design, arch, monkeypatch):
 def test_kv_cache_queries_at_shifted_positions(design, monkeypatch):
     """A cache of 9 tokens then 4 more: the new queries sit at positions 9..12 (FIRE reads them),
     with FoX's cached gates; the same as the full reference's last rows, with gradients (chunks of
-    3 query rows)."""
+    3 query rows, tiles of 4 keys in the additive kernel's backward)."""
     monkeypatch.setattr(attention_module, "BIAS_CHUNK", 3)
     monkeypatch.setattr(attention_module, "SCORE_ROWS", 3)
+    monkeypatch.setattr(attention_module, "SCORE_KEYS", 4)
     layer = layer_of(design, "llama")
     x = torch.randn(1, 13, 32, dtype=F64, requires_grad=True)
     cache = LayerCache()
@@ -300,12 +302,16 @@ def test_fire_chunk_by_runs_is_the_masked_mlp(dtype):
         fire.l_multiplier.fill_(40 / 512)
         fire.c.fill_(0.3)
     lowest = torch.finfo(dtype).min
-    for first, rows, start in [(0, 7, 0), (30, 9, 5), (100, 16, 0), (3, 1, 2), (200, 128, 0)]:
+    cases = [(0, 7, 0, 0), (30, 9, 0, 5), (100, 16, 0, 0), (3, 1, 0, 2), (200, 128, 0, 0),
+             (200, 128, 150, 0), (100, 16, 100, 3), (60, 20, 64, 1)]  # keys from a tile's first on
+    for first, rows, key, start in cases:
+        keys = slice(key, first + rows)
         tensors = tuple(t.detach().requires_grad_() for t in fire.tensors(slice(None), "cpu"))
-        got = fire.causal_block(slice(None), first, rows, start, tensors, "cpu", dtype)
-        want = ScoreBias.causal_block(fire, slice(None), first, rows, start, tensors, "cpu", dtype)
+        got = fire.causal_block(slice(None), first, rows, keys, start, fire.prepared(tensors), "cpu", dtype)
+        want = ScoreBias.causal_block(fire, slice(None), first, rows, keys, start, tensors, "cpu", dtype)
         assert torch.equal(got, want)
-        assert (got == lowest).sum() == 4 * rows * (rows - 1) // 2
+        masked = sum(min(first + rows - 1 - m, first + rows - key) for m in range(first, first + rows))
+        assert (got == lowest).sum() == 4 * masked
         if dtype == F64:
             weights = torch.randn_like(got)
             for a, e in zip(torch.autograd.grad((got * weights).sum(), tensors),

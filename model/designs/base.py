@@ -70,30 +70,39 @@ class ScoreBias(nn.Module):
         (`model.attention._key_bias_attention`)."""
         raise NotImplementedError(f"{type(self).__name__} is not separable")
 
-    def distance_table(self, heads: slice, distances: int, t: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """b_h at distances 0..distances-1 [heads, distances] from `tensors` t, for a bias of the
-        distance alone (KERPLE's); None otherwise. `causal_block` then builds a chunk's bias as a
-        Toeplitz view of it."""
+    def distance_table(self, heads: slice, distances: torch.Tensor,
+                       t: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """b_h at the given distances [distances] ([heads, distances]) from `tensors` t, for a bias
+        of the distance alone (KERPLE's); None otherwise. `causal_block` then builds a tile's bias
+        as a Toeplitz view of it."""
         return None
 
-    def causal_block(self, heads: slice, first: int, rows: int, start: int, t: tuple[torch.Tensor, ...],
-                     device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """b_h(m, n) [heads, rows, keys] as `dtype` of query rows first..first+rows-1 over keys
-        0..first+rows-1 (indices; positions add `start`), with the dtype's lowest value where n > m
-        (exp of it underflows to 0, so the masked pairs' probabilities are 0 in forward and
-        backward): the CPU kernel's bias of one chunk of query rows, from `tensors` t (their
-        gradients flow). By default `rows`, masked; a bias of the distance alone is a Toeplitz
-        matrix: windows of its `distance_table` reversed and padded with the masked value, no
-        per-pair index or mask."""
-        keys = first + rows
+    def prepared(self, t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """What `causal_block` reads, from `tensors` t: t itself by default; a design whose tiles
+        share work derived from its parameters (FIRE's linear pieces) derives it here, once per
+        kernel call and not per tile (differentiably: the kernel's backward takes the tiles'
+        gradients with respect to these and then to t)."""
+        return t
+
+    def causal_block(self, heads: slice, first: int, rows: int, keys: slice, start: int,
+                     t: tuple[torch.Tensor, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """b_h(m, n) [heads, rows, keys] as `dtype` of query rows first..first+rows-1 over the keys
+        `keys` (indices, keys.stop <= first + rows; positions add `start`), with the dtype's lowest
+        value where n > m (exp of it underflows to 0, so the masked pairs' probabilities are 0 in
+        forward and backward): the CPU kernel's bias of one tile, from `prepared` t (their
+        gradients flow). By default `rows`, masked; a bias of the distance alone is a Toeplitz matrix:
+        windows of its `distance_table` reversed and padded with the masked value, no per-pair
+        index or mask."""
         lowest = torch.finfo(dtype).min
-        table = self.distance_table(heads, keys, t)
-        if table is not None:  # row m, key n: padded[keys - 1 - m + n], windows of `keys`
-            masked = table.new_full((table.shape[0], rows - 1), lowest, dtype=dtype)
+        width = keys.stop - keys.start
+        farthest, nearest = first + rows - 1 - keys.start, first - (keys.stop - 1)  # m - n < 0: masked
+        table = self.distance_table(heads, torch.arange(max(nearest, 0), farthest + 1, device=device), t)
+        if table is not None:  # row i, key keys.start + j: padded[rows - 1 - i + j], `rows` windows
+            masked = table.new_full((table.shape[0], max(0, -nearest)), lowest, dtype=dtype)
             padded = torch.cat([table.flip(-1).to(dtype), masked], -1)
-            return padded.unfold(-1, keys, 1).flip(1)
-        m = torch.arange(first, keys, device=device)[:, None] + start
-        n = torch.arange(keys, device=device)[None, :] + start
+            return padded.unfold(-1, width, 1).flip(1)
+        m = torch.arange(first, first + rows, device=device)[:, None] + start
+        n = torch.arange(keys.start, keys.stop, device=device)[None, :] + start
         values = self.rows(heads, m, torch.minimum(n, m), None, t).to(dtype)
         return values.masked_fill(n > m, lowest)
 

@@ -73,23 +73,27 @@ class FireBias(ScoreBias):
         return out.view(-1, *x.shape)  # [H, rows, keys]
 
 
-    def causal_block(self, heads, first, rows, start, t, device, dtype) -> torch.Tensor:
-        """The CPU kernel's chunk (`ScoreBias.causal_block`) by runs: x falls along each row (the
+    def prepared(self, t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(c, L, breaks, slope, intercept): the MLP as its linear pieces (`pieces`), once per call."""
+        c, threshold, w1, b1, w2, b2 = t
+        return c, threshold, *pieces(w1, b1, w2, b2)
+
+    def causal_block(self, heads, first, rows, keys, start, t, device, dtype) -> torch.Tensor:
+        """The CPU kernel's tile (`ScoreBias.causal_block`) by runs: x falls along each row (the
         distance grows to the left) and is 0 from the diagonal on, so each linear piece covers one
         run of a row's keys. One search per row and breakpoint finds the runs; each element then
         reads its run's piece, and the pieces' gradients are sums over runs (`_RunPieces`): no
         per-element search, scatter or mask."""
-        c, threshold, w1, b1, w2, b2 = t
-        keys = first + rows
-        m = torch.arange(first, keys, device=device)[:, None] + start
-        n = torch.minimum(torch.arange(keys, device=device)[None, :] + start, m)
-        breaks, slope, intercept = pieces(w1, b1, w2, b2)
-        return _RunPieces.apply(fire_input(c, threshold, m, n), slope, intercept, breaks, dtype)
+        c, threshold, breaks, slope, intercept = t
+        m = torch.arange(first, first + rows, device=device)[:, None] + start
+        n = torch.minimum(torch.arange(keys.start, keys.stop, device=device)[None, :] + start, m)
+        masked = (keys.stop - first - 1 - torch.arange(rows, device=device)).clamp(0, keys.stop - keys.start)
+        return _RunPieces.apply(fire_input(c, threshold, m, n), slope, intercept, breaks, masked, dtype)
 
 
 class _RunPieces(torch.autograd.Function):
     """b_h = slope_h[s] x + intercept_h[s] on x [rows, keys] (falling along each row, the last
-    rows - 1 - i keys of row i masked), s the piece of x (`pieces`), as `dtype` [H, rows, keys] with
+    masked[i] keys of row i masked), s the piece of x (`pieces`), as `dtype` [H, rows, keys] with
     the dtype's lowest value at masked keys. A row's keys in order are runs of the pieces from the
     last (32) to the first, then the masked keys: a run's length is the difference of two counts
     of keys with x above a breakpoint (`searchsorted` in the row), and the gradients of slope and
@@ -97,7 +101,7 @@ class _RunPieces(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, breaks: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
+                masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         rows, keys = x.shape
         H, n_pieces = slope.shape
         # above[i, k]: keys of row i with x > breaks[k], a prefix of the row (x falls along it; the
@@ -105,23 +109,24 @@ class _RunPieces(torch.autograd.Function):
         above = torch.searchsorted(-x.detach(), (-breaks).expand(rows, -1).contiguous()).cummin(1).values
         edges = torch.cat([above.new_full((rows, 1), keys), above, above.new_zeros(rows, 1)], 1)
         runs = (edges[:, :-1] - edges[:, 1:]).flip(1)  # [rows, pieces]: run lengths, the last piece first
-        masked = torch.arange(rows - 1, -1, -1, device=x.device)[:, None]  # n > m: the end of the zero run
         zero_run = n_pieces - 1 - int(torch.searchsorted(breaks, breaks.new_zeros(1)))
-        runs[:, zero_run] -= masked[:, 0]
-        runs = torch.cat([runs, masked], 1)  # [rows, pieces + 1], each row's sum: keys
+        runs[:, zero_run] -= masked  # n > m: the end of the zero run
+        runs = torch.cat([runs, masked[:, None]], 1)  # [rows, pieces + 1], each row's sum: keys
         order = torch.arange(n_pieces, device=x.device, dtype=torch.int32).flip(0)  # int32: half an int64 index
         piece = torch.cat([order, order.new_full((1,), n_pieces)])  # the masked run reads an extra piece
         index = piece.repeat(rows).repeat_interleave(runs.flatten(), output_size=rows * keys)
         slope = torch.cat([slope, slope.new_zeros(H, 1)], 1)  # the masked piece: 0 x + lowest
         intercept = torch.cat([intercept, intercept.new_full((H, 1), torch.finfo(dtype).min)], 1)
         # two [H, pairs] at a time: the intercepts read, then the slopes added in place
-        out = intercept.index_select(1, index).addcmul_(slope.index_select(1, index), x.flatten())
-        ctx.save_for_backward(x, slope, index, runs)  # the index, not the reads: 4 bytes per pair, not 8H
-        return out.view(H, rows, keys).to(dtype)
+        slopes = slope.index_select(1, index)
+        out = x.new_empty(H, rows, keys)  # returned whole, not as a view: the kernel may reuse it
+        torch.index_select(intercept, 1, index, out=out.view(H, -1)).addcmul_(slopes, x.flatten())
+        ctx.save_for_backward(x, slopes, runs)  # kept by the backward's recompute only (a tile's)
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, slope, index, runs = ctx.saved_tensors
+        x, slopes, runs = ctx.saved_tensors
         H, rows, keys = grad.shape
         g = grad.to(x.dtype).reshape(H, rows * keys)
         lengths = runs.flatten().expand(H, -1).contiguous()
@@ -135,8 +140,8 @@ class _RunPieces(torch.autograd.Function):
         grad_slope = run_sums(g * x.flatten()) if ctx.needs_input_grad[1] else None
         grad_x = None  # the masked run's slope is 0: no gradient there
         if ctx.needs_input_grad[0]:
-            grad_x = slope.index_select(1, index).mul_(g).sum(0).view(rows, keys)
-        return grad_x, grad_slope, grad_intercept, None, None
+            grad_x = slopes.mul_(g).sum(0).view(rows, keys)
+        return grad_x, grad_slope, grad_intercept, None, None, None
 
 
 def pieces(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,

@@ -45,16 +45,17 @@ class KerpleBias(ScoreBias):
         r1, r2 = t
         return -r1[h] * torch.log1p(r2[h] * (m - n))
 
-    def distance_table(self, heads, distances: int, t) -> torch.Tensor:
+    def distance_table(self, heads, distances: torch.Tensor, t) -> torch.Tensor:
         r1, r2 = t
-        return -r1[:, None] * torch.log1p(r2[:, None] * torch.arange(distances, device=r1.device))
+        return -r1[:, None] * torch.log1p(r2[:, None] * distances)
 
     def rows(self, heads, m, n, gap=None, t=None) -> torch.Tensor:
         """The bias of each distance once ([H, distances]), then looked up per pair: one gather per
         head and element instead of a log1p and two multiplies (and their gradients)."""
         t = self.tensors(heads, m.device) if t is None else t
         d = (m - n).expand(m.shape[0], n.shape[1])
-        return self.distance_table(heads, int(d.max()) + 1, t).index_select(1, d.flatten()).view(-1, *d.shape)
+        table = self.distance_table(heads, torch.arange(int(d.max()) + 1, device=m.device), t)
+        return table.index_select(1, d.flatten()).view(-1, *d.shape)
 
 
 KERPLE = Design(

@@ -140,7 +140,7 @@ class _RunPieces(torch.autograd.Function):
         grad_slope = run_sums(g * x.flatten()) if ctx.needs_input_grad[1] else None
         grad_x = None  # the masked run's slope is 0: no gradient there
         if ctx.needs_input_grad[0]:
-            grad_x = slopes.mul_(g).sum(0).view(rows, keys)
+            grad_x = (slopes * g).sum(0).view(rows, keys)  # not in place: the saved slopes stay intact
         return grad_x, grad_slope, grad_intercept, None, None, None
 
 

@@ -191,7 +191,7 @@ def test_sigterm_to_the_deepspeed_launcher_alone(cache, tmp_path):
 def test_torchrun_then_the_launch_script_each_stop_and_save(cache, tmp_path):
     """Two ranks under ZeRO-3, one data worker each:
     1. `kill -TERM <torchrun>`: torchrun signals each rank's process group (data worker included);
-       the ranks save and exit 143, torchrun itself exits 1.
+       the ranks save and exit 143, torchrun itself exits 1 (or aborts in its own shutdown).
     2. `launch/train_single_node.sh ... resume=auto` (2 CPU ranks) continues from there; SIGINT to
        the script's process group (Ctrl-C) reaches the script only, which passes it to the ranks:
        they save again and the script exits 130.
@@ -204,7 +204,9 @@ def test_torchrun_then_the_launch_script_each_stop_and_save(cache, tmp_path):
         wait_for_step(torchrun, run_dir, 2)
         torchrun.send_signal(signal.SIGTERM)
         err = finish(torchrun)
-    assert torchrun.returncode == 1, err[-3000:]
+    # torchrun reports the stop as a failure: exit 1, or (seen once in CI, torch 2.13) its own abort
+    # at exit, "terminate called without an active exception", after its ranks had saved and stopped
+    assert torchrun.returncode in (1, -signal.SIGABRT), err[-3000:]
     first = check_stopped(run_dir, 0, 2, err)
 
     script = [str(REPO / "launch" / "train_single_node.sh"), *overrides(run_dir, cache, *zero3, "resume=auto")]

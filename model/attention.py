@@ -388,7 +388,7 @@ class _AdditiveBiasAttention(torch.autograd.Function):
 
 def _score_tiles(first: int, keys: int):
     """The keys 0..keys-1 of query rows at first.. in tiles of about SCORE_KEYS (the additive
-    kernel's backward's unit, [B, H, rows, tile] tensors): the earlier keys in blocks, the last
+    kernel's unit in both passes, [B, H, rows, tile] tensors): the earlier keys in blocks, the last
     one running on to the end, so that every row has a key in every tile."""
     starts = range(0, max(first, 1), SCORE_KEYS)
     for a, b in zip(starts, [*starts[1:], keys]):

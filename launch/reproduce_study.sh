@@ -73,6 +73,13 @@ design = DESIGNS.get(sys.argv[1], DESIGNS["origin"])  # a preset of its own (tex
 print(sys.argv[2] if design.rope else "[none]")' "$1" "$SCALINGS"
 }
 
+machine() {  # one line per training start: fp32 training is not bitwise reproducible across CPUs
+  local cpu isa
+  cpu=$(grep -m1 "model name" /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//')
+  isa=$(grep -m1 -owE "avx2|avx512f|amx_tile" /proc/cpuinfo 2>/dev/null | tr '\n' ' ')
+  echo "$(date -u +%FT%TZ) ${cpu:-unknown CPU} (${isa% }; $(nproc) cores), torch $(python -c 'import torch; print(torch.__version__)')"
+}
+
 published_run() {  # design seed: the folder of its published run (RESULTS, then PUBLISHED), or nothing
   local folder
   for folder in $RESULTS $PUBLISHED; do
@@ -86,6 +93,7 @@ one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, wh
   if [ -n "$(published_run "$design" "$seed")" ]; then return 0; fi
   if [ ! -f "$run_dir/DONE" ]; then
     preset=$(training_args "$design") || return 1
+    mkdir -p "$run_dir" && machine >> "$run_dir/machine.txt"
     # shellcheck disable=SC2086  # one override per word
     python -m train $preset run_dir="$run_dir" name="${PRESET}_${design}_s$seed" seed="$seed" \
       data.seed="$seed" resume=auto logger.progress=false ${STEPS:+max_steps=$STEPS} "$@" || return 1
@@ -104,6 +112,7 @@ one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, wh
   if [ -n "$published" ]; then
     mkdir -p "$published"
     cp "$run_dir"/eval/*.json "$run_dir/config.yaml" "$published/"
+    if [ -f "$run_dir/machine.txt" ]; then cp "$run_dir/machine.txt" "$published/"; fi
     if [ "$TASK" = all ]; then cp "$run_dir"/eval/*.npz "$run_dir/eval/passkey_progress.md" "$published/"; fi
     touch "$published/DONE"
   fi

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_FILES = ("ppl.json", "passkey.json", "attention.json", "report.md", "ppl.png", "passkey.png")
@@ -138,7 +139,10 @@ def test_perplexity_study_shortened(tmp_path: Path) -> None:
         assert f"attention: {attention}" in cfg and f"name: study_ppl_{run}" in cfg and "max_steps: 3" in cfg
         assert "kind: synthetic" not in cfg  # text only
         assert ("coca_form: strict" in cfg) == (design == "coca_strict")
-        assert sorted(p.name for p in (results / run).iterdir()) == ["DONE", "config.yaml", "ppl.json"]
+        assert sorted(p.name for p in (results / run).iterdir()) == [
+            "DONE", "config.yaml", "machine.txt", "ppl.json"]
+        machine = (results / run / "machine.txt").read_text().splitlines()  # one line per start
+        assert len(machine) == 1 and f"torch {torch.__version__}" in machine[0]
         rows = json.loads((results / run / "ppl.json").read_text())["rows"]
         assert {r["scaling"] for r in rows} == ({"none"} if design == "nope" else {"none", "dynamic:8"})
     with open(results / "seeds_family.csv") as f:

@@ -34,6 +34,7 @@ import torch
 
 from model.attention import CausalSelfAttention
 from model.config import ModelConfig, RopeScaling
+from model.denormals import flush_denormals
 from model.designs import BY_LABEL, Design, Rope, RopeTables, apply_rope
 from model.designs.coca import COCA_SLACK, coca_tie
 
@@ -225,6 +226,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.worker:

@@ -21,6 +21,7 @@ import torch
 from data.tasks import PasskeyCase, make_cases
 from eval.bar import table_header, table_row
 from eval.passkey import answer_logits
+from model.denormals import flush_denormals
 from train.checkpoint import CheckpointError
 from train.load import load_model
 
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="prompt seed (default: the run's training seed)")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per forward (1: one case each)")
     args = parser.parse_args(argv)
+    flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     if args.batch_tokens < 1:
         parser.error(f"--batch-tokens {args.batch_tokens} must be >= 1")
     print("\n".join(table_header(args.cases, args.length)))

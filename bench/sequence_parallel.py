@@ -34,6 +34,7 @@ import torch
 
 from bench.attention import peak_rss, reset_peak_rss
 from model import GPT, ModelConfig
+from model.denormals import flush_denormals
 from model.sequence_parallel import SequenceParallel, enable
 
 WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20), "OMP_NUM_THREADS": "1"}
@@ -165,6 +166,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     if args.worker:
         worker(args)
         return

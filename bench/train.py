@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from hf.names import hf_names, llama_hf_names  # noqa: E402
 from model import GPT, count_parameters, flavor  # noqa: E402
 from model.config import ARCHS, ModelConfig  # noqa: E402
+from model.denormals import flush_denormals  # noqa: E402
 from train.flops import device_peak_flops, flops_per_token  # noqa: E402
 
 # (batch, tokens) per flavor on a CPU and on a GPU: the trainer's defaults on a CPU, larger on a GPU.
@@ -232,7 +233,10 @@ class Trainee:
         return time.perf_counter() - start
 
 
-def _set_threads(threads: int | None) -> None:
+def _set_cpu(threads: int | None) -> None:
+    """Each measuring process's CPU settings, first thing: subnormals flushed (model/denormals.py),
+    then its threads."""
+    flush_denormals()
     if threads:
         torch.set_num_threads(threads)
 
@@ -241,7 +245,7 @@ def measure_speed(impls: list[str], cfg: ModelConfig, batch: int, steps: int, co
                   queue) -> None:
     """One process, the implementations' steps interleaved (A B C, C B A, ...), so that a machine whose
     speed drifts (shared cores, clocks) slows each alike; reports tokens/s from median step times."""
-    _set_threads(threads)
+    _set_cpu(threads)
     trainees = [Trainee(impl, cfg, batch, compile) for impl in impls]
     times: list[list[float]] = [[] for _ in trainees]
     for i in range(steps):
@@ -254,7 +258,7 @@ def measure_speed(impls: list[str], cfg: ModelConfig, batch: int, steps: int, co
 def measure_memory(impl: str, cfg: ModelConfig, batch: int, compile: bool, threads: int | None, queue) -> None:
     """One process per implementation: peak memory (MiB) over warm-up and one step, beyond the
     process after importing the implementation's library."""
-    _set_threads(threads)
+    _set_cpu(threads)
     import_library(impl)
     baseline = _rss_mb()
     trainee = Trainee(impl, cfg, batch, compile)
@@ -299,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    _set_threads(args.threads)
+    _set_cpu(args.threads)
     cuda = torch.cuda.is_available()
     baselines = ["hf"]
     skipped = None

@@ -40,6 +40,7 @@ from eval.config import EvalConfig, Scaling, default_lengths
 from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_passkey, sweep_ppl, sweep_recall
 from eval.wandb_log import log_to_wandb
 from model import GPT
+from model.denormals import flush_denormals
 from train.checkpoint import find_checkpoint
 from train.config import TrainConfig, setup_id
 from train.load import check_device, load_model
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     show = "--cfg" in args
     overrides = [a for a in args if a not in ("--cfg", "job")]
+    flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     try:
         dcfg = compose_config(overrides)
         if show:

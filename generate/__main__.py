@@ -21,6 +21,7 @@ from data.cli import exit_code
 from errors import EXIT_INPUT, UsageError, UserError, report_error
 from generate import sample
 from model.config import parse_scaling
+from model.denormals import flush_denormals
 from train.load import check_device
 
 USAGE = """usage: python -m generate run=<run dir or checkpoint> [prompt="..."] [key=value ...]
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"-h", "--help"} & set(args):
         print(USAGE)
         return 0
+    flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     try:
         opts = parse(args)
         scaling = None if opts.rope_scaling == "as_trained" else parse_scaling(opts.rope_scaling)

@@ -87,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
         return 0
 
+    from model.denormals import flush_denormals
     from train.preflight import preflight
 
+    flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     try:
         preflight(cfg)
     except (UserError, FileNotFoundError, ValueError) as error:

@@ -73,11 +73,11 @@ design = DESIGNS.get(sys.argv[1], DESIGNS["origin"])  # a preset of its own (tex
 print(sys.argv[2] if design.rope else "[none]")' "$1" "$SCALINGS"
 }
 
-machine() {  # one line per training start: fp32 training is not bitwise reproducible across CPUs
+machine() {  # one line per training start (fp32 training differs by CPU)
   local cpu isa
   cpu=$(grep -m1 "model name" /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//')
   isa=$(grep -m1 -owE "avx2|avx512f|amx_tile" /proc/cpuinfo 2>/dev/null | tr '\n' ' ')
-  echo "$(date -u +%FT%TZ) ${cpu:-unknown CPU} (${isa% }; $(nproc) cores), torch $(python -c 'import torch; print(torch.__version__)')"
+  echo "$(date -u +%FT%TZ) ${cpu:-unknown CPU} (${isa% }; $(nproc --all) cores, $(nproc) threads), torch $(python -c 'import torch; print(torch.__version__)')"
 }
 
 published_run() {  # design seed: the folder of its published run (RESULTS, then PUBLISHED), or nothing

@@ -361,13 +361,13 @@ class _AdditiveBiasAttention(torch.autograd.Function):
             grad_q_c = q.new_zeros(B * H, n, D)
             for keys in _score_tiles(first, offset + end):
                 w = keys.stop - keys.start
-                with torch.enable_grad():
-                    values = module.causal_block(heads, first, n, keys, start, prepared, q.device, q.dtype)
+                with torch.enable_grad():  # at B = 1 the tile comes as b - lse (a design adds it in its pass)
+                    values = module.causal_block(heads, first, n, keys, start, prepared, q.device, q.dtype,
+                                                 shift=minus_lse[0] if B == 1 else None)
                 k_t, v_t = k[..., keys, :].reshape(B * H, w, D), v[..., keys, :].reshape(B * H, w, D)
-                # P = exp(b - lse + (q scale) k^T): the scores accumulated onto b - lse, in the bias's
-                # own storage where it is a fresh tensor (autograd keeps no bias: FIRE's, the default)
-                p = values.detach()
-                p = p.add_(minus_lse[0]) if B == 1 and p.is_contiguous() else p + minus_lse
+                # P = exp(b - lse + (q scale) k^T): the scores accumulated onto b - lse, in the tile's
+                # own storage (no op of its graph keeps its output)
+                p = values.detach() if B == 1 else values.detach() + minus_lse
                 p = p.view(B * H, n, w).baddbmm_(q_scaled, k_t.mT).exp_()
                 ds = (g_c @ v_t.mT).sub_(delta).mul_(p)  # masked pairs: exp(lowest) = 0
                 grad_v[:, keys].baddbmm_(p.mT, g_c)

@@ -284,14 +284,16 @@ def test_fire_pieces_are_the_mlp():
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
-def test_fire_chunk_by_runs_is_the_masked_mlp(dtype):
-    """The CPU kernel's FIRE chunk (`FireBias.causal_block`: the MLP's pieces read by runs of keys)
-    equals the generic chunk (`ScoreBias.causal_block`: every pair's piece searched, then masked):
-    values bitwise (float32 too: the study's FIRE runs train on it), gradients of every FIRE tensor
-    in float64 (in float32 they are sums in another order), with breakpoints spread over x's range (a
-    unit with w1 = 0 included), rows below and beyond L, chunks not at key 0 and shifted positions."""
+def test_fire_tile_is_the_masked_mlp(dtype):
+    """The CPU kernel's FIRE tile (`FireBias.causal_block`: the tile's lowest piece plus a step per
+    breakpoint it crosses) equals the generic tile (`ScoreBias.causal_block`: every pair's piece
+    searched, then masked): values and the gradients of every FIRE tensor at 1e-10 in float64; in
+    float32 values to its rounding (the two sum their terms differently), the masked pairs exactly.
+    Breakpoints spread over x's range (a unit with w1 = 0 included): tiles crossing none, a few, and
+    all 32 (four matmuls of BREAKS_AT_ONCE), rows below and beyond L, tiles not at key 0, tiles
+    ending before their rows' diagonal (no masked key), shifted positions."""
     from model.designs.base import ScoreBias
-    from model.designs.fire import FireBias
+    from model.designs.fire import FireBias, fire_input
 
     torch.manual_seed(0)
     fire = FireBias(4).to(dtype)
@@ -302,18 +304,26 @@ def test_fire_chunk_by_runs_is_the_masked_mlp(dtype):
         fire.l_multiplier.fill_(40 / 512)
         fire.c.fill_(0.3)
     lowest = torch.finfo(dtype).min
-    cases = [(0, 7, 0, 0), (30, 9, 0, 5), (100, 16, 0, 0), (3, 1, 0, 2), (200, 128, 0, 0),
-             (200, 128, 150, 0), (100, 16, 100, 3), (60, 20, 64, 1)]  # keys from a tile's first on
-    for first, rows, key, start in cases:
-        keys = slice(key, first + rows)
+    cases = [(0, 7, 0, 7, 0), (30, 9, 0, 39, 5), (100, 16, 0, 116, 0), (3, 1, 0, 4, 2), (200, 128, 0, 328, 0),
+             (200, 128, 150, 328, 0), (100, 16, 100, 116, 3), (60, 20, 64, 80, 1),
+             (300, 8, 0, 4, 0), (300, 8, 100, 160, 7), (40, 30, 0, 50, 0)]  # (first, rows, keys, start)
+    crossed = set()
+    for first, rows, key, stop, start in cases:
+        keys = slice(key, stop)
         tensors = tuple(t.detach().requires_grad_() for t in fire.tensors(slice(None), "cpu"))
-        got = fire.causal_block(slice(None), first, rows, keys, start, fire.prepared(tensors), "cpu", dtype)
+        prepared = fire.prepared(tensors)
+        got = fire.causal_block(slice(None), first, rows, keys, start, prepared, "cpu", dtype)
         want = ScoreBias.causal_block(fire, slice(None), first, rows, keys, start, tensors, "cpu", dtype)
-        assert torch.equal(got, want)
-        masked = sum(min(first + rows - 1 - m, first + rows - key) for m in range(first, first + rows))
-        assert (got == lowest).sum() == 4 * masked
+        masked = sum(min(max(stop - 1 - m, 0), stop - key) for m in range(first, first + rows))
+        assert (got == lowest).sum() == (want == lowest).sum() == 4 * masked
+        tol = 1e-10 if dtype == F64 else None
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        m = torch.arange(first, first + rows)[:, None] + start
+        x = fire_input(prepared[0], prepared[1], m, torch.minimum(torch.arange(key, stop)[None, :] + start, m))
+        crossed.add(int(((prepared[2] > x.min()) & (prepared[2] < x.max())).sum()))
         if dtype == F64:
             weights = torch.randn_like(got)
             for a, e in zip(torch.autograd.grad((got * weights).sum(), tensors),
                             torch.autograd.grad((want * weights).sum(), tensors)):
                 torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+    assert min(crossed) == 0 and max(crossed) > 24  # no breakpoint in a tile, and nearly all of them

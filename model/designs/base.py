@@ -85,14 +85,17 @@ class ScoreBias(nn.Module):
         return t
 
     def causal_block(self, heads: slice, first: int, rows: int, keys: slice, start: int,
-                     t: tuple[torch.Tensor, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+                     t: tuple[torch.Tensor, ...], device: torch.device, dtype: torch.dtype,
+                     shift: torch.Tensor | None = None) -> torch.Tensor:
         """b_h(m, n) [heads, rows, keys] as `dtype` of query rows first..first+rows-1 over the keys
         `keys` (indices, keys.stop <= first + rows; positions add `start`), with the dtype's lowest
         value where n > m (exp of it underflows to 0, so the masked pairs' probabilities are 0 in
         forward and backward): the CPU kernel's bias of one tile, from `prepared` t (their
-        gradients flow). By default `rows`, masked; a bias of the distance alone is a Toeplitz matrix:
-        windows of its `distance_table` reversed and padded with the masked value, no per-pair
-        index or mask."""
+        gradients flow), a fresh contiguous tensor. `shift` [heads, rows, 1], a constant, is added
+        to every row where given (the kernel's backward: -lse, in the same pass where a design can).
+        By default `rows`, masked; a bias of the distance alone is a Toeplitz matrix: windows of
+        its `distance_table` reversed and padded with the masked value, no per-pair index or mask
+        (a masked value stays the lowest under a shift: far under half its ulp)."""
         lowest = torch.finfo(dtype).min
         width = keys.stop - keys.start
         farthest, nearest = first + rows - 1 - keys.start, first - (keys.stop - 1)  # m - n < 0: masked
@@ -100,11 +103,12 @@ class ScoreBias(nn.Module):
         if table is not None:  # row i, key keys.start + j: padded[rows - 1 - i + j], `rows` windows
             masked = table.new_full((table.shape[0], max(0, -nearest)), lowest, dtype=dtype)
             padded = torch.cat([table.flip(-1).to(dtype), masked], -1)
-            return padded.unfold(-1, width, 1).flip(1)
+            block = padded.unfold(-1, width, 1).flip(1)
+            return block if shift is None else block.add_(shift)
         m = torch.arange(first, first + rows, device=device)[:, None] + start
         n = torch.arange(keys.start, keys.stop, device=device)[None, :] + start
         values = self.rows(heads, m, torch.minimum(n, m), None, t).to(dtype)
-        return values.masked_fill(n > m, lowest)
+        return (values if shift is None else values + shift).masked_fill(n > m, lowest)
 
     def rows(self, heads: slice, m: torch.Tensor, n: torch.Tensor, gap: torch.Tensor | None = None,
              t: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:

@@ -78,70 +78,102 @@ class FireBias(ScoreBias):
         c, threshold, w1, b1, w2, b2 = t
         return c, threshold, *pieces(w1, b1, w2, b2)
 
-    def causal_block(self, heads, first, rows, keys, start, t, device, dtype) -> torch.Tensor:
-        """The CPU kernel's tile (`ScoreBias.causal_block`) by runs: x falls along each row (the
-        distance grows to the left) and is 0 from the diagonal on, so each linear piece covers one
-        run of a row's keys. One search per row and breakpoint finds the runs; each element then
-        reads its run's piece, and the pieces' gradients are sums over runs (`_RunPieces`): no
-        per-element search, scatter or mask."""
+    def causal_block(self, heads, first, rows, keys, start, t, device, dtype, shift=None) -> torch.Tensor:
+        """The CPU kernel's tile (`ScoreBias.causal_block`) from the pieces a tile crosses: x spans a
+        short range in a tile, so few breakpoints fall inside it (`_TilePieces`): no per-element
+        search or lookup."""
         c, threshold, breaks, slope, intercept = t
         m = torch.arange(first, first + rows, device=device)[:, None] + start
         n = torch.minimum(torch.arange(keys.start, keys.stop, device=device)[None, :] + start, m)
         masked = (keys.stop - first - 1 - torch.arange(rows, device=device)).clamp(0, keys.stop - keys.start)
-        return _RunPieces.apply(fire_input(c, threshold, m, n), slope, intercept, breaks, masked, dtype)
+        return _TilePieces.apply(fire_input(c, threshold, m, n), slope, intercept, breaks, masked, dtype, shift)
 
 
-class _RunPieces(torch.autograd.Function):
-    """b_h = slope_h[s] x + intercept_h[s] on x [rows, keys] (falling along each row, the last
-    masked[i] keys of row i masked), s the piece of x (`pieces`), as `dtype` [H, rows, keys] with
-    the dtype's lowest value at masked keys. A row's keys in order are runs of the pieces from the
-    last (32) to the first, then the masked keys: a run's length is the difference of two counts
-    of keys with x above a breakpoint (`searchsorted` in the row), and the gradients of slope and
-    intercept are `segment_reduce` sums over the runs, of g x and g."""
+BREAKS_AT_ONCE = 2  # breakpoints per matmul in `_TilePieces`, its temporary [2 x this, pairs]: 4 and 8 lift FIRE's
+# peak to 1.11x and 1.16x Origin's at 2K (bench.attention), 2 keeps it at 1.10x, at the same time
+
+
+class _TilePieces(torch.autograd.Function):
+    """b_h = slope_h[s] x + intercept_h[s] on x [rows, keys], s the piece of x (`pieces`), as `dtype`
+    [H, rows, keys] with the dtype's lowest value at each row i's last masked[i] keys (plus `shift`
+    [H, rows, 1] elsewhere, if given: a constant, added in the first pass). Written from
+    the tile's lowest piece lo, whose line every element starts on, plus, for each breakpoint k the
+    tile's x crosses, the step from piece k to k + 1 where x is past it:
+
+        b_h = slope_h[lo] x + intercept_h[lo] + sum_k [x > break_k] (dslope_hk x + dintercept_hk)
+
+    one matmul per BREAKS_AT_ONCE breakpoints ([H, 2k] by [2k, pairs]); a tile far from its
+    diagonal spans a short range of x and crosses few or none. The backward is the same matmul's:
+    the pieces' gradients are g [H, pairs] times [x, 1, [x > break] x, [x > break]]."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, breaks: torch.Tensor,
-                masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                masked: torch.Tensor, dtype: torch.dtype, shift: torch.Tensor | None) -> torch.Tensor:
         rows, keys = x.shape
-        H, n_pieces = slope.shape
-        # above[i, k]: keys of row i with x > breaks[k], a prefix of the row (x falls along it; the
-        # running minimum keeps the counts falling even if rounding ever broke that by an ulp)
-        above = torch.searchsorted(-x.detach(), (-breaks).expand(rows, -1).contiguous()).cummin(1).values
-        edges = torch.cat([above.new_full((rows, 1), keys), above, above.new_zeros(rows, 1)], 1)
-        runs = (edges[:, :-1] - edges[:, 1:]).flip(1)  # [rows, pieces]: run lengths, the last piece first
-        zero_run = n_pieces - 1 - int(torch.searchsorted(breaks, breaks.new_zeros(1)))
-        runs[:, zero_run] -= masked  # n > m: the end of the zero run
-        runs = torch.cat([runs, masked[:, None]], 1)  # [rows, pieces + 1], each row's sum: keys
-        order = torch.arange(n_pieces, device=x.device, dtype=torch.int32).flip(0)  # int32: half an int64 index
-        piece = torch.cat([order, order.new_full((1,), n_pieces)])  # the masked run reads an extra piece
-        index = piece.repeat(rows).repeat_interleave(runs.flatten(), output_size=rows * keys)
-        slope = torch.cat([slope, slope.new_zeros(H, 1)], 1)  # the masked piece: 0 x + lowest
-        intercept = torch.cat([intercept, intercept.new_full((H, 1), torch.finfo(dtype).min)], 1)
-        # two [H, pairs] at a time: the intercepts read, then the slopes added in place
-        slopes = slope.index_select(1, index)
-        out = x.new_empty(H, rows, keys)  # returned whole, not as a view: the kernel may reuse it
-        torch.index_select(intercept, 1, index, out=out.view(H, -1)).addcmul_(slopes, x.flatten())
-        ctx.save_for_backward(x, slopes, runs)  # kept by the backward's recompute only (a tile's)
-        return out.to(dtype)
+        flat = x.detach().reshape(1, -1)
+        lo, hi = (int(i) for i in torch.searchsorted(breaks, torch.stack([flat.min(), flat.max()])))
+        line = intercept[:, lo, None, None] if shift is None else intercept[:, lo, None, None] + shift
+        out = x.new_empty(slope.shape[0], rows, keys)  # returned whole, not as a view: the kernel may reuse it
+        torch.addcmul(line, slope[:, lo, None, None], x.detach()[None], out=out)
+        pairs = out.view(-1, rows * keys)
+        for k0 in range(lo, hi, BREAKS_AT_ONCE):
+            ks = slice(k0, min(hi, k0 + BREAKS_AT_ONCE))
+            steps = torch.cat([slope.diff(dim=1)[:, ks], intercept.diff(dim=1)[:, ks]], 1)
+            pairs.addmm_(steps, _past(flat, breaks[ks]))
+        out = out.to(dtype)
+        mask = _masked(masked, keys)
+        if mask is not None:
+            out.masked_fill_(mask, torch.finfo(dtype).min)
+        ctx.lo, ctx.hi, ctx.n_pieces = lo, hi, slope.shape[1]
+        ctx.save_for_backward(x, slope, breaks, masked)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, slopes, runs = ctx.saved_tensors
+        x, slope, breaks, masked = ctx.saved_tensors
         H, rows, keys = grad.shape
-        g = grad.to(x.dtype).reshape(H, rows * keys)
-        lengths = runs.flatten().expand(H, -1).contiguous()
+        lo, hi = ctx.lo, ctx.hi
+        g = grad.to(x.dtype).reshape(H, -1)
+        flat = x.reshape(1, -1)
+        grad_slope, grad_intercept = g.new_zeros(H, ctx.n_pieces), g.new_zeros(H, ctx.n_pieces)
+        base = g @ torch.cat([flat, torch.ones_like(flat)]).T  # [H, 2]
+        grad_slope[:, lo], grad_intercept[:, lo] = base[:, 0], base[:, 1]
+        grad_x = (slope[:, lo] @ g)[None] if ctx.needs_input_grad[0] else None  # [1, pairs]
+        # A masked pair is constant (no gradient) but reads the lowest piece at x = 0, the tile's least
+        # x, so no step is past it: take its g back from the intercept, and its grad_x out.
+        mask = _masked(masked, keys)
+        if mask is not None:
+            grad_intercept[:, lo] -= grad[:, mask].to(x.dtype).sum(1)
+            if grad_x is not None:
+                grad_x.masked_fill_(mask.view(1, -1), 0)
+        for k0 in range(lo, hi, BREAKS_AT_ONCE):
+            ks = slice(k0, min(hi, k0 + BREAKS_AT_ONCE))
+            past = _past(flat, breaks[ks])  # [2k, pairs]: [x > break] x, then [x > break]
+            k = past.shape[0] // 2
+            steps = g @ past.T  # [H, 2k]: the gradients of the steps, d(piece k + 1) - d(piece k)
+            for total, step in ((grad_slope, steps[:, :k]), (grad_intercept, steps[:, k:])):
+                total[:, ks.start + 1:ks.stop + 1] += step
+                total[:, ks] -= step
+            if grad_x is not None:  # each element's slope: the lowest piece's plus the steps past it
+                grad_x += (slope.diff(dim=1)[:, ks].T @ g).mul_(past[k:]).sum(0)
+        grad_x = None if grad_x is None else grad_x.view(rows, keys)
+        return grad_x, grad_slope, grad_intercept, None, None, None, None
 
-        def run_sums(values: torch.Tensor) -> torch.Tensor:  # [H, rows * keys] -> [H, pieces], pieces 0..32
-            sums = torch.segment_reduce(values, "sum", lengths=lengths, axis=1, unsafe=True)
-            return sums.view(H, rows, -1)[..., :-1].sum(1).flip(-1)  # the masked run dropped
 
-        # one [H, rows * keys] temporary at a time beside g
-        grad_intercept = run_sums(g) if ctx.needs_input_grad[2] else None
-        grad_slope = run_sums(g * x.flatten()) if ctx.needs_input_grad[1] else None
-        grad_x = None  # the masked run's slope is 0: no gradient there
-        if ctx.needs_input_grad[0]:
-            grad_x = (slopes * g).sum(0).view(rows, keys)  # not in place: the saved slopes stay intact
-        return grad_x, grad_slope, grad_intercept, None, None, None
+def _past(flat: torch.Tensor, breaks: torch.Tensor) -> torch.Tensor:
+    """[2k, pairs]: [x > break_k] x for each of the k breakpoints, then [x > break_k]."""
+    k = len(breaks)
+    past = flat.new_empty(2 * k, flat.shape[1])
+    torch.gt(flat, breaks[:, None], out=past[k:])
+    torch.mul(past[k:], flat, out=past[:k])
+    return past
+
+
+def _masked(masked: torch.Tensor, keys: int) -> torch.Tensor | None:
+    """[rows, keys]: row i's last masked[i] keys; None where no row has any."""
+    if not bool(masked.any()):
+        return None
+    return torch.arange(keys, device=masked.device)[None, :] >= keys - masked[:, None]
 
 
 def pieces(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,

@@ -42,6 +42,11 @@ def _study() -> list[Path]:
     return _study_runs(RESULTS / "study", ("origin", "coca", "coca_strict", "alibi"))
 
 
+def _designs() -> list[Path]:
+    """launch/reproduce_designs.sh's order (its DESIGNS)."""
+    return _study_runs(RESULTS / "designs", ("origin", "nope", "prope", "hybrid", "kerple", "fire", "fox"))
+
+
 REPORTS = {
     "pilot": (lambda: sorted(RESULTS.joinpath("pilot").glob("*_s?")), aggregate.FAMILY_FILE),
     "perplexity/pilot": (lambda: _study_runs(RESULTS / "perplexity" / "pilot", ("origin",)),
@@ -51,6 +56,8 @@ REPORTS = {
     "extension": (_extension_runs, aggregate.FAMILY_FILE.with_name("extension.yaml")),
     "study": (_study, aggregate.FAMILY_FILE),
     "study/bar_only": (_study, aggregate.FAMILY_FILE),
+    "designs": (_designs, aggregate.FAMILY_FILE.with_name("designs.yaml")),
+    "designs/bar_only": (_designs, aggregate.FAMILY_FILE.with_name("designs.yaml")),
 }
 
 

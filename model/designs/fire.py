@@ -116,21 +116,21 @@ class _TilePieces(torch.autograd.Function):
         out = x.new_empty(slope.shape[0], rows, keys)  # returned whole, not as a view: the kernel may reuse it
         torch.addcmul(line, slope[:, lo, None, None], x.detach()[None], out=out)
         pairs = out.view(-1, rows * keys)
+        dslope, dintercept = slope.diff(dim=1), intercept.diff(dim=1)  # [H, 32]: the steps between pieces
         for k0 in range(lo, hi, BREAKS_AT_ONCE):
             ks = slice(k0, min(hi, k0 + BREAKS_AT_ONCE))
-            steps = torch.cat([slope.diff(dim=1)[:, ks], intercept.diff(dim=1)[:, ks]], 1)
-            pairs.addmm_(steps, _past(flat, breaks[ks]))
+            pairs.addmm_(torch.cat([dslope[:, ks], dintercept[:, ks]], 1), _past(flat, breaks[ks]))
         out = out.to(dtype)
         mask = _masked(masked, keys)
         if mask is not None:
             out.masked_fill_(mask, torch.finfo(dtype).min)
         ctx.lo, ctx.hi, ctx.n_pieces = lo, hi, slope.shape[1]
-        ctx.save_for_backward(x, slope, breaks, masked)
+        ctx.save_for_backward(x, slope, breaks, mask)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, slope, breaks, masked = ctx.saved_tensors
+        x, slope, breaks, mask = ctx.saved_tensors
         H, rows, keys = grad.shape
         lo, hi = ctx.lo, ctx.hi
         g = grad.to(x.dtype).reshape(H, -1)
@@ -141,11 +141,11 @@ class _TilePieces(torch.autograd.Function):
         grad_x = (slope[:, lo] @ g)[None] if ctx.needs_input_grad[0] else None  # [1, pairs]
         # A masked pair is constant (no gradient) but reads the lowest piece at x = 0, the tile's least
         # x, so no step is past it: take its g back from the intercept, and its grad_x out.
-        mask = _masked(masked, keys)
         if mask is not None:
             grad_intercept[:, lo] -= grad[:, mask].to(x.dtype).sum(1)
             if grad_x is not None:
                 grad_x.masked_fill_(mask.view(1, -1), 0)
+        dslope = slope.diff(dim=1)
         for k0 in range(lo, hi, BREAKS_AT_ONCE):
             ks = slice(k0, min(hi, k0 + BREAKS_AT_ONCE))
             past = _past(flat, breaks[ks])  # [2k, pairs]: [x > break] x, then [x > break]
@@ -155,7 +155,7 @@ class _TilePieces(torch.autograd.Function):
                 total[:, ks.start + 1:ks.stop + 1] += step
                 total[:, ks] -= step
             if grad_x is not None:  # each element's slope: the lowest piece's plus the steps past it
-                grad_x += (slope.diff(dim=1)[:, ks].T @ g).mul_(past[k:]).sum(0)
+                grad_x += (dslope[:, ks].T @ g).mul_(past[k:]).sum(0)
         grad_x = None if grad_x is None else grad_x.view(rows, keys)
         return grad_x, grad_slope, grad_intercept, None, None, None, None
 

@@ -286,12 +286,13 @@ def test_fire_pieces_are_the_mlp():
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_fire_tile_is_the_masked_mlp(dtype):
     """The CPU kernel's FIRE tile (`FireBias.causal_block`: the tile's lowest piece plus a step per
-    breakpoint it crosses) equals the generic tile (`ScoreBias.causal_block`: every pair's piece
-    searched, then masked): values and the gradients of every FIRE tensor at 1e-10 in float64; in
-    float32 values to its rounding (the two sum their terms differently), the masked pairs exactly.
-    Breakpoints spread over x's range (a unit with w1 = 0 included): tiles crossing none, a few, and
-    all 32 (four matmuls of BREAKS_AT_ONCE), rows below and beyond L, tiles not at key 0, tiles
-    ending before their rows' diagonal (no masked key), shifted positions."""
+    breakpoint it crosses, its own backward) equals the generic tile (`ScoreBias.causal_block`:
+    every pair's piece searched, then masked, autograd's gradients): values and the gradients of
+    every FIRE tensor at 1e-10 in float64; in float32 values to its rounding (the two sum their
+    terms differently), the masked pairs exactly. Breakpoints spread over x's range (a unit with
+    w1 = 0 included): tiles crossing none, a few, and all 32 (matmuls of BREAKS_AT_ONCE), rows
+    below, at (torch.maximum's tie) and beyond L, tiles not at key 0, tiles ending before their
+    rows' diagonal (no masked key), shifted positions, with and without the backward's shift."""
     from model.designs.base import ScoreBias
     from model.designs.fire import FireBias, fire_input
 
@@ -308,12 +309,14 @@ def test_fire_tile_is_the_masked_mlp(dtype):
              (200, 128, 150, 328, 0), (100, 16, 100, 116, 3), (60, 20, 64, 80, 1),
              (300, 8, 0, 4, 0), (300, 8, 100, 160, 7), (40, 30, 0, 50, 0)]  # (first, rows, keys, start)
     crossed = set()
-    for first, rows, key, stop, start in cases:
+    for i, (first, rows, key, stop, start) in enumerate(cases):
         keys = slice(key, stop)
         tensors = tuple(t.detach().requires_grad_() for t in fire.tensors(slice(None), "cpu"))
         prepared = fire.prepared(tensors)
-        got = fire.causal_block(slice(None), first, rows, keys, start, prepared, "cpu", dtype)
-        want = ScoreBias.causal_block(fire, slice(None), first, rows, keys, start, tensors, "cpu", dtype)
+        shift = torch.randn(4, rows, 1, dtype=dtype) * 5 if i % 2 else None
+        got = fire.causal_block(slice(None), first, rows, keys, start, prepared, "cpu", dtype, shift=shift)
+        want = ScoreBias.causal_block(fire, slice(None), first, rows, keys, start, tensors, "cpu", dtype,
+                                      shift=shift)
         masked = sum(min(max(stop - 1 - m, 0), stop - key) for m in range(first, first + rows))
         assert (got == lowest).sum() == (want == lowest).sum() == 4 * masked
         tol = 1e-10 if dtype == F64 else None

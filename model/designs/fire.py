@@ -12,6 +12,8 @@ counted from the document start under `doc_positions`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -72,108 +74,167 @@ class FireBias(ScoreBias):
         out = torch.addcmul(intercept.index_select(1, segment), slope.index_select(1, segment), x.flatten())
         return out.view(-1, *x.shape)  # [H, rows, keys]
 
-
     def prepared(self, t: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """(c, L, breaks, slope, intercept): the MLP as its linear pieces (`pieces`), once per call."""
+        """(c, L, breaks, lines): the MLP as its linear pieces (`pieces`), once per call; lines
+        [H, 2, 33] holds each piece's slope and intercept."""
         c, threshold, w1, b1, w2, b2 = t
-        return c, threshold, *pieces(w1, b1, w2, b2)
+        breaks, slope, intercept = pieces(w1, b1, w2, b2)
+        return c, threshold, breaks, torch.stack([slope, intercept], 1)
 
     def causal_block(self, heads, first, rows, keys, start, t, device, dtype, shift=None) -> torch.Tensor:
         """The CPU kernel's tile (`ScoreBias.causal_block`) from the pieces a tile crosses: x spans a
-        short range in a tile, so few breakpoints fall inside it (`_TilePieces`): no per-element
-        search or lookup."""
-        c, threshold, breaks, slope, intercept = t
-        m = torch.arange(first, first + rows, device=device)[:, None] + start
-        n = torch.minimum(torch.arange(keys.start, keys.stop, device=device)[None, :] + start, m)
-        masked = (keys.stop - first - 1 - torch.arange(rows, device=device)).clamp(0, keys.stop - keys.start)
-        return _TilePieces.apply(fire_input(c, threshold, m, n), slope, intercept, breaks, masked, dtype, shift)
+        short range in a tile, so few breakpoints fall inside it (`_FireTile`): no per-element
+        search or lookup, and no autograd graph per element. Computed in `dtype` (FIRE's tensors
+        are cast to it: a no-op where they share q's dtype, as in a model)."""
+        c, threshold, breaks, lines = t if t[0].dtype == dtype else (p.to(dtype) for p in t)
+        m = torch.arange(first + start, first + start + rows, device=device, dtype=dtype)[:, None]
+        n = torch.arange(keys.start + start, keys.stop + start, device=device, dtype=dtype)[None, :]
+        return _FireTile.apply(c, threshold, lines, breaks, m, n, shift)
 
 
-BREAKS_AT_ONCE = 2  # breakpoints per matmul in `_TilePieces`, its temporary [2 x this, pairs]: 4 and 8 lift FIRE's
-# peak to 1.11x and 1.16x Origin's at 2K (bench.attention), 2 keeps it at 1.10x, at the same time
+BREAKS_AT_ONCE = 2  # breakpoints per matmul in `_FireTile`: its terms are [2 + 2 x this, pairs] in the forward
+# and [3 + 3 x this, pairs] in the backward, beside the tile's [H, pairs]
 
 
-class _TilePieces(torch.autograd.Function):
-    """b_h = slope_h[s] x + intercept_h[s] on x [rows, keys], s the piece of x (`pieces`), as `dtype`
-    [H, rows, keys] with the dtype's lowest value at each row i's last masked[i] keys (plus `shift`
-    [H, rows, 1] elsewhere, if given: a constant, added in the first pass). Written from
-    the tile's lowest piece lo, whose line every element starts on, plus, for each breakpoint k the
-    tile's x crosses, the step from piece k to k + 1 where x is past it:
+class _FireTile(torch.autograd.Function):
+    """FIRE's bias b_h(m, n) = slope_h[s] x + intercept_h[s] on x = fire_input(c, L, m, n) [rows,
+    keys] (positions m [rows, 1], n [1, keys]), s the piece of x (`pieces`; `lines` [H, 2, 33]
+    holds the pieces' slopes and intercepts): [H, rows, keys] with the dtype's lowest value where
+    n > m (plus `shift` [H, rows, 1] elsewhere, if given). Written from the tile's lowest piece lo,
+    whose line every element starts on, plus, for each breakpoint k the tile's x crosses, the step
+    from piece k to k + 1 where x is past it:
 
         b_h = slope_h[lo] x + intercept_h[lo] + sum_k [x > break_k] (dslope_hk x + dintercept_hk)
 
-    one matmul per BREAKS_AT_ONCE breakpoints ([H, 2k] by [2k, pairs]); a tile far from its
-    diagonal spans a short range of x and crosses few or none. The backward is the same matmul's:
-    the pieces' gradients are g [H, pairs] times [x, 1, [x > break] x, [x > break]]."""
+    as matmuls [H, 2 + 2k] by [2 + 2k, pairs] (`_terms`) of BREAKS_AT_ONCE breakpoints each. In a
+    tile with masked pairs, the first matmul's 1 is [n <= m] and one more term, [n > m], has the
+    lowest value as its weight (a masked pair has x = 0, past no breakpoint: its other terms are
+    0). A tile far from its diagonal spans a short range of x and crosses few or none.
+
+    The backward takes every gradient from one product per matmul: g [H, pairs] by the same terms
+    with a(d) = dA/d|c| added, per query row (a batched matmul over the rows), then weighted per
+    row. With x = A(d) / D(m), A(d) = log(1 + |c| d), D(m) = log(1 + |c| M) + eps, M = max(m, L):
+
+        dx/d|c| = a(d) / D(m) - x M / ((1 + |c| M) D(m)),   a(d) = d / (1 + |c| d)
+        dx/dL   = -x |c| / ((1 + |c| M) D(m)) [L > m]      (half where L = m, as torch.maximum)
+
+    and each pair's dx, times the slope of its piece, is summed with g: no per-pair gradient of
+    x is formed."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor, breaks: torch.Tensor,
-                masked: torch.Tensor, dtype: torch.dtype, shift: torch.Tensor | None) -> torch.Tensor:
-        rows, keys = x.shape
-        flat = x.detach().reshape(1, -1)
-        lo, hi = (int(i) for i in torch.searchsorted(breaks, torch.stack([flat.min(), flat.max()])))
-        line = intercept[:, lo, None, None] if shift is None else intercept[:, lo, None, None] + shift
-        out = x.new_empty(slope.shape[0], rows, keys)  # returned whole, not as a view: the kernel may reuse it
-        torch.addcmul(line, slope[:, lo, None, None], x.detach()[None], out=out)
-        pairs = out.view(-1, rows * keys)
-        dslope, dintercept = slope.diff(dim=1), intercept.diff(dim=1)  # [H, 32]: the steps between pieces
-        for k0 in range(lo, hi, BREAKS_AT_ONCE):
-            ks = slice(k0, min(hi, k0 + BREAKS_AT_ONCE))
-            pairs.addmm_(torch.cat([dslope[:, ks], dintercept[:, ks]], 1), _past(flat, breaks[ks]))
-        out = out.to(dtype)
-        mask = _masked(masked, keys)
-        if mask is not None:
-            out.masked_fill_(mask, torch.finfo(dtype).min)
-        ctx.lo, ctx.hi, ctx.n_pieces = lo, hi, slope.shape[1]
-        ctx.save_for_backward(x, slope, breaks, mask)
+    def forward(ctx, c: torch.Tensor, threshold: torch.Tensor, lines: torch.Tensor, breaks: torch.Tensor,
+                m: torch.Tensor, n: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+        diagonal = bool(n[0, -1] > m[0, 0])  # some pair is masked
+        d = (m - n).clamp_(min=0)  # [rows, keys]; 0 at the masked pairs, where x is then 0
+        x = torch.log1p(c.abs() * d).div_(_denominator(c, threshold, m))  # fire_input's x, op for op
+        lo, hi = torch.searchsorted(breaks, torch.stack(torch.aminmax(x))).tolist()
+        H, (rows, keys) = lines.shape[0], x.shape
+        flat = x.view(1, -1)
+        out = x.new_empty(H, rows, keys)  # returned whole, not as a view: the kernel may reuse it
+        pairs = out.view(H, -1)
+        spread = _spread(lo, hi, lines.shape[2], x.dtype, x.device)
+        for part, crossed in _groups(lo, hi):
+            base = part.start == 0  # the first matmul writes the lowest piece's line too
+            weights = (lines @ spread[part].T).view(H, -1)  # [H, 2 j]: the x terms', then the 1 terms'
+            terms = _terms(flat, breaks[crossed], base, (m, n) if base and diagonal else None)
+            if base and diagonal:
+                weights = torch.cat([weights, weights.new_full((H, 1), torch.finfo(x.dtype).min)], 1)
+            if base:
+                torch.mm(weights, terms, out=pairs)
+            else:
+                pairs.addmm_(weights, terms)
+        if shift is not None:
+            out.add_(shift)
+        ctx.lo, ctx.hi, ctx.diagonal = lo, hi, diagonal
+        ctx.save_for_backward(c, threshold, lines, breaks, m, n, d, x)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, slope, breaks, mask = ctx.saved_tensors
+        c, threshold, lines, breaks, m, n, d, x = ctx.saved_tensors
+        need_c, need_l = ctx.needs_input_grad[:2]
         H, rows, keys = grad.shape
         lo, hi = ctx.lo, ctx.hi
-        g = grad.to(x.dtype).reshape(H, -1)
-        flat = x.reshape(1, -1)
-        grad_slope, grad_intercept = g.new_zeros(H, ctx.n_pieces), g.new_zeros(H, ctx.n_pieces)
-        base = g @ torch.cat([flat, torch.ones_like(flat)]).T  # [H, 2]
-        grad_slope[:, lo], grad_intercept[:, lo] = base[:, 0], base[:, 1]
-        grad_x = (slope[:, lo] @ g)[None] if ctx.needs_input_grad[0] else None  # [1, pairs]
-        # A masked pair is constant (no gradient) but reads the lowest piece at x = 0, the tile's least
-        # x, so no step is past it: take its g back from the intercept, and its grad_x out.
-        if mask is not None:
-            grad_intercept[:, lo] -= grad[:, mask].to(x.dtype).sum(1)
-            if grad_x is not None:
-                grad_x.masked_fill_(mask.view(1, -1), 0)
-        dslope = slope.diff(dim=1)
-        for k0 in range(lo, hi, BREAKS_AT_ONCE):
-            ks = slice(k0, min(hi, k0 + BREAKS_AT_ONCE))
-            past = _past(flat, breaks[ks])  # [2k, pairs]: [x > break] x, then [x > break]
-            k = past.shape[0] // 2
-            steps = g @ past.T  # [H, 2k]: the gradients of the steps, d(piece k + 1) - d(piece k)
-            for total, step in ((grad_slope, steps[:, :k]), (grad_intercept, steps[:, k:])):
-                total[:, ks.start + 1:ks.stop + 1] += step
-                total[:, ks] -= step
-            if grad_x is not None:  # each element's slope: the lowest piece's plus the steps past it
-                grad_x += (dslope[:, ks].T @ g).mul_(past[k:]).sum(0)
-        grad_x = None if grad_x is None else grad_x.view(rows, keys)
-        return grad_x, grad_slope, grad_intercept, None, None, None, None
+        ac, den = c.abs(), _denominator(c, threshold, m)[:, 0]
+        positions = (m, n) if ctx.diagonal else None
+        m = m[:, 0]
+        big = torch.maximum(m, threshold)  # M [rows]
+        per_big = 1 / ((1 + ac * big) * den)
+        tie = torch.where(threshold > m, 1.0, torch.where(threshold == m, 0.5, 0.0)).to(x.dtype)
+        # per row: the plain sums, then the weights of dx/d|c|'s two terms and of dx/dL's
+        by_row = torch.stack([torch.ones_like(den), 1 / den, big * per_big, tie * ac * per_big])
+        flat = x.view(1, -1)
+        a = (d / (1 + ac * d)).view(1, -1)
+        g = grad.view(H, rows, keys).transpose(0, 1)  # [rows, H, keys]
+        spread = _spread(lo, hi, lines.shape[2], x.dtype, x.device)
+        grad_lines = torch.zeros_like(lines)
+        by_slope = x.new_zeros(3, H, len(spread))
+        for part, crossed in _groups(lo, hi):
+            base = part.start == 0
+            terms = _terms(flat, breaks[crossed], base, positions if base else None, a)  # x, 1, a: j each
+            per_row = torch.bmm(g, terms.view(-1, rows, keys).permute(1, 2, 0))  # [rows, H, 3 j]
+            sums = (by_row @ per_row.view(rows, -1)).view(4, H, 3, -1)
+            grad_lines += sums[0, :, :2] @ spread[part]  # the pieces' slopes and intercepts
+            # each column's x enters with its piece's (or step's) slope: dx/d|c|, then dx/dL
+            by_slope[:, :, part] = torch.stack([sums[1, :, 2], -sums[2, :, 0], -sums[3, :, 0]])
+        slopes = lines[:, 0] @ spread.T  # [H, columns]
+        grad_c = (slopes * by_slope[:2].sum(0)).sum() * torch.sign(c) if need_c else None
+        grad_l = (slopes * by_slope[2]).sum() if need_l else None
+        return grad_c, grad_l, grad_lines, None, None, None, None
 
 
-def _past(flat: torch.Tensor, breaks: torch.Tensor) -> torch.Tensor:
-    """[2k, pairs]: [x > break_k] x for each of the k breakpoints, then [x > break_k]."""
-    k = len(breaks)
-    past = flat.new_empty(2 * k, flat.shape[1])
-    torch.gt(flat, breaks[:, None], out=past[k:])
-    torch.mul(past[k:], flat, out=past[:k])
-    return past
+def _denominator(c: torch.Tensor, threshold: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """D(m) = psi(max(m, L)) + eps, as `fire_input` computes it."""
+    return torch.log1p(c.abs() * torch.maximum(m, threshold)) + EPS
 
 
-def _masked(masked: torch.Tensor, keys: int) -> torch.Tensor | None:
-    """[rows, keys]: row i's last masked[i] keys; None where no row has any."""
-    if not bool(masked.any()):
-        return None
-    return torch.arange(keys, device=masked.device)[None, :] >= keys - masked[:, None]
+@functools.lru_cache(maxsize=4096)
+def _spread(lo: int, hi: int, n_pieces: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[1 + hi - lo, pieces]: the tile's columns over the pieces: piece lo, then the step from
+    piece k to k + 1 for each crossed breakpoint k (+1 at k + 1, -1 at k)."""
+    spread = torch.zeros(1 + hi - lo, n_pieces, dtype=dtype, device=device)
+    spread[0, lo] = 1
+    steps = torch.arange(hi - lo, device=device)
+    spread[1 + steps, lo + 1 + steps] = 1
+    spread[1 + steps, lo + steps] = -1
+    return spread
+
+
+def _groups(lo: int, hi: int) -> list[tuple[slice, slice]]:
+    """The columns of `_spread` (piece lo, then a step per crossed breakpoint) in matmuls of
+    BREAKS_AT_ONCE breakpoints, the first with piece lo; with each, its breakpoints' indices."""
+    return [(slice(0 if k == lo else 1 + k - lo, 1 + min(hi, k + BREAKS_AT_ONCE) - lo),
+             slice(k, min(hi, k + BREAKS_AT_ONCE))) for k in range(lo, max(hi, lo + 1), BREAKS_AT_ONCE)]
+
+
+def _terms(flat: torch.Tensor, breaks: torch.Tensor, base: bool, positions: tuple | None = None,
+           a: torch.Tensor | None = None) -> torch.Tensor:
+    """[terms, pairs] of x [1, pairs] and the k `breaks`, in blocks: x (with `base`) and [x > break]
+    x; 1 (with `base`) and [x > break]; if `a` is given, a (with `base`) and [x > break] a. Where
+    `positions` (m, n) are given (a tile with masked pairs), the 1 is [n <= m], and without `a`
+    (the forward) one more term follows, [n > m]."""
+    k, b, width = len(breaks), int(base), flat.shape[1]
+    blocks = 2 if a is None else 3
+    out = flat.new_empty(blocks * (b + k) + (positions is not None and a is None), width)
+    x_rows, one_rows, a_rows = (out[i * (b + k):(i + 1) * (b + k)] for i in range(3))
+    if k:
+        torch.gt(flat, breaks[:, None], out=one_rows[b:])
+        torch.mul(one_rows[b:], flat, out=x_rows[b:])
+        if a is not None:
+            torch.mul(one_rows[b:], a, out=a_rows[b:])
+    if base:
+        x_rows[0] = flat[0]
+        if a is not None:
+            a_rows[0] = a[0]
+    if positions is None:
+        one_rows[:b] = 1
+    else:
+        m, n = positions
+        shape = (m.shape[0], n.shape[1])
+        torch.le(n, m, out=one_rows[0].view(shape))
+        if a is None:
+            torch.gt(n, m, out=out[-1].view(shape))
+    return out
 
 
 def pieces(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,

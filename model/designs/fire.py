@@ -165,7 +165,7 @@ class _FireTile(torch.autograd.Function):
         by_row = torch.stack([torch.ones_like(den), 1 / den, big * per_big, tie * ac * per_big])
         flat = x.view(1, -1)
         a = (d / (1 + ac * d)).view(1, -1)
-        g = grad.view(H, rows, keys).transpose(0, 1)  # [rows, H, keys]
+        g = grad.transpose(0, 1)  # [rows, H, keys]
         spread = _spread(lo, hi, lines.shape[2], x.dtype, x.device)
         grad_lines = torch.zeros_like(lines)
         by_slope = x.new_zeros(3, H, len(spread))

@@ -26,8 +26,7 @@ INIT_C, INIT_L, EPS = 0.1, 512.0, 1e-6
 
 def fire_input(c: torch.Tensor, threshold: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """The MLP's input psi(m - n) / (psi(max(m, L)) + eps), with psi(x) = log(|c| x + 1)."""
-    c = c.abs()
-    return torch.log1p(c * (m - n)) / (torch.log1p(c * torch.maximum(m, threshold)) + EPS)
+    return torch.log1p(c.abs() * (m - n)) / _denominator(c, threshold, m)
 
 
 class FireBias(ScoreBias):
@@ -126,7 +125,8 @@ class _FireTile(torch.autograd.Function):
                 m: torch.Tensor, n: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
         diagonal = bool(n[0, -1] > m[0, 0])  # some pair is masked
         d = (m - n).clamp_(min=0)  # [rows, keys]; 0 at the masked pairs, where x is then 0
-        x = torch.log1p(c.abs() * d).div_(_denominator(c, threshold, m))  # fire_input's x, op for op
+        den = _denominator(c, threshold, m)  # [rows, 1]
+        x = torch.log1p(c.abs() * d).div_(den)  # fire_input's x, op for op
         lo, hi = torch.searchsorted(breaks, torch.stack(torch.aminmax(x))).tolist()
         H, (rows, keys) = lines.shape[0], x.shape
         flat = x.view(1, -1)
@@ -146,16 +146,16 @@ class _FireTile(torch.autograd.Function):
         if shift is not None:
             out.add_(shift)
         ctx.lo, ctx.hi, ctx.diagonal = lo, hi, diagonal
-        ctx.save_for_backward(c, threshold, lines, breaks, m, n, d, x)
+        ctx.save_for_backward(c, threshold, lines, breaks, m, n, d, x, den)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        c, threshold, lines, breaks, m, n, d, x = ctx.saved_tensors
+        c, threshold, lines, breaks, m, n, d, x, den = ctx.saved_tensors
         need_c, need_l = ctx.needs_input_grad[:2]
         H, rows, keys = grad.shape
         lo, hi = ctx.lo, ctx.hi
-        ac, den = c.abs(), _denominator(c, threshold, m)[:, 0]
+        ac, den = c.abs(), den[:, 0]
         positions = (m, n) if ctx.diagonal else None
         m = m[:, 0]
         big = torch.maximum(m, threshold)  # M [rows]
@@ -184,7 +184,7 @@ class _FireTile(torch.autograd.Function):
 
 
 def _denominator(c: torch.Tensor, threshold: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """D(m) = psi(max(m, L)) + eps, as `fire_input` computes it."""
+    """D(m) = psi(max(m, L)) + eps, `fire_input`'s denominator."""
     return torch.log1p(c.abs() * torch.maximum(m, threshold)) + EPS
 
 

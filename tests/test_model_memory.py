@@ -3,9 +3,15 @@
 Peak memory is the growth of the peak resident set of a fresh subprocess over the 16K forward: after
 short warm-up forwards (which also compile what needs compiling) the kernel's peak mark is reset
 (Linux /proc/self/clear_refs) and VmHWM is read after the forward.
+
+The subprocess runs with glibc's mmap threshold fixed at 1 MiB, so every large tensor is mapped on
+allocation and unmapped when freed: the resident set then follows the live tensors. With glibc's
+default (a threshold that adapts up to 32 MiB), freed blocks stay in per-thread heaps and the same
+forward read anywhere from 266 to 431 MiB across runs and CPUs; fixed, it reads the same to the MiB.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +52,7 @@ def peak_forward_memory(attention: str, form: str, name: str) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, attention, form, str(N), name],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)},
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -2,21 +2,22 @@
 
 Peak memory is the growth of the peak resident set of a fresh subprocess over the 16K forward: after
 short warm-up forwards (which also compile what needs compiling) the kernel's peak mark is reset
-(Linux /proc/self/clear_refs) and VmHWM is read after the forward.
+(Linux /proc/self/clear_refs) and VmHWM is read after the forward, as `bench.attention` does.
 
-The subprocess runs with glibc's mmap threshold fixed at 1 MiB, so every large tensor is mapped on
-allocation and unmapped when freed: the resident set then follows the live tensors. With glibc's
-default (a threshold that adapts up to 32 MiB), freed blocks stay in per-thread heaps and the same
-forward read anywhere from 266 to 431 MiB across runs and CPUs; fixed, it reads the same to the MiB.
+The subprocess runs in the bench's memory environment (`WORKER_ENV`: glibc's mmap threshold fixed at
+1 MiB), so the resident set follows the live tensors. With glibc's default threshold (adapting up to
+32 MiB) freed blocks stay in per-thread heaps, and the same forward read anywhere from 266 to 431 MiB
+across runs and CPUs; fixed, it reads the same to the MiB.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from bench.attention import WORKER_ENV
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 
@@ -26,11 +27,8 @@ N = 16384
 SCRIPT = """
 import json, sys
 import torch
+from bench.attention import peak_rss, reset_peak_rss
 from model import GPT, flavor
-
-def status_bytes(field):
-    with open("/proc/self/status") as f:
-        return int(next(l for l in f if l.startswith(field + ":")).split()[1]) * 1024
 
 attention, form, n, name = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
@@ -39,11 +37,9 @@ idx = torch.randint(0, model.cfg.vocab_size, (1, n + 1))
 with torch.no_grad():
     for warm in (256, 1024, 2048):  # ALiBi: compiles FlexAttention (static, then dynamic shapes) here
         model.token_losses(idx[:, :warm], idx[:, 1 : warm + 1])
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak resident set (VmHWM) to the current one
-    before = status_bytes("VmRSS")
+    before = reset_peak_rss()
     losses = model.token_losses(idx[:, :-1], idx[:, 1:])
-print(json.dumps(dict(peak_bytes=status_bytes("VmHWM") - before, heads=model.cfg.n_head,
+print(json.dumps(dict(peak_bytes=peak_rss() - before, heads=model.cfg.n_head,
                       finite=bool(torch.isfinite(losses).all()))))
 """
 
@@ -52,7 +48,7 @@ def peak_forward_memory(attention: str, form: str, name: str) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, attention, form, str(N), name],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)},
+        env=WORKER_ENV,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

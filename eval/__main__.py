@@ -125,7 +125,7 @@ def open_session(cfg: EvalConfig) -> Session:
         "run": str(run),
         "label": m.design.label,
         "attention": m.attention,
-        "coca_form": m.design.coca_form,
+        "coca_form": m.design.form,  # the results' name for it (model.design_params.coca.form)
         "train_len": m.max_seq_len,
         "n_layer": m.n_layer,
         "n_embd": m.n_embd,

@@ -107,7 +107,7 @@ def token_ids(tokenizer: Tokenizer | HFTokenizer) -> dict[str, int | None]:
 def hf_config(m: ModelConfig, tokenizer: Tokenizer | HFTokenizer) -> dict:
     """config.json: for Origin (`native_hf`) a plain GPT-NeoX or Llama config (`m.arch`), with the
     pre-5.0 names of the RoPE fields too, for older transformers; for the others a `coca_lm` config,
-    which adds `arch`, `attention`, `coca_form` and the `auto_map` naming the remote code."""
+    which adds `arch`, `attention`, `design_params` and the `auto_map` naming the remote code."""
     config = {
         "vocab_size": m.vocab_size, "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
         "num_attention_heads": m.n_head, "intermediate_size": m.ffn_hidden, **_architecture(m),
@@ -137,13 +137,13 @@ def _block(m: ModelConfig) -> dict:
 
 
 def _remote_config(m: ModelConfig, config: dict) -> dict:
-    """The `coca_lm` config: the design (attention, coca_form, its parameters), the length
+    """The `coca_lm` config: the design (attention, its parameters: CoCA's form among them), the length
     temperature's L0 (0: off) and the `auto_map` naming the remote code."""
     if not m.design.rope:
         del config["rope_parameters"]
     params = {} if m.params is None else dataclasses.asdict(m.params)
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
-            "attention": m.attention, "coca_form": m.coca_form, "design_params": params,
+            "attention": m.attention, "design_params": params,
             "length_temperature": m.max_seq_len if m.length_temperature else 0, **config, **_block(m),
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}

@@ -269,7 +269,8 @@ def test_our_exports_import_back_exactly(micro_run, tmp_path):
 
     model, _, tokenizer = load_model(str(micro_run))
     strict = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64,
-                             max_seq_len=L0, attention="coca", coca_form="strict", tie_embeddings=True))
+                             max_seq_len=L0, attention="coca", design_params={"coca": {"form": "strict"}},
+                             tie_embeddings=True))
     hybrid = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64,
                              max_seq_len=L0, attention="hybrid", length_temperature=True,
                              design_params={"hybrid": {"nope_every": 2, "window": 7}}))
@@ -277,7 +278,7 @@ def test_our_exports_import_back_exactly(micro_run, tmp_path):
         out = export_hf(ours, tokenizer, tmp_path / name)
         cfg, state = import_hf(out)
         fixed = ("arch", "vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len", "attention",
-                 "coca_form", "rotary_pct", "rope_base", "parallel_residual", "layernorm_eps", "tie_embeddings",
+                 "rotary_pct", "rope_base", "parallel_residual", "layernorm_eps", "tie_embeddings",
                  "design_params", "length_temperature")
         assert {f: getattr(cfg, f) for f in fixed} == {f: getattr(ours.cfg, f) for f in fixed}
         mine = ours.state_dict()
@@ -384,8 +385,9 @@ def test_a_directory_config_combines_with_the_command_line():
         combine(source, ModelConfig(n_layer=6), "d/config.json")
     with pytest.raises(ConfigError, match="model.vocab_size=512 disagrees"):
         combine(source, ModelConfig(vocab_size=512), "d/config.json")
-    converted = combine(source, ModelConfig(attention="coca", coca_form="strict"), "d/config.json")
-    assert (converted.attention, converted.coca_form) == ("coca", "strict")  # the weights are converted
+    strict = {"coca": {"form": "strict"}}
+    converted = combine(source, ModelConfig(attention="coca", design_params=strict), "d/config.json")
+    assert (converted.attention, converted.design.form) == ("coca", "strict")  # the weights are converted
     assert combine(source, ModelConfig(attention="alibi"), "d/config.json").attention == "alibi"
     with pytest.raises(ConfigError, match="cannot convert attention=alibi into attention=coca: only Origin"):
         combine(replace(source, attention="alibi"), ModelConfig(attention="coca"), "d/config.json")

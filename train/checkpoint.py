@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from errors import EXIT_USAGE, UserError, first_line
 from hf.imports import HFModel, is_hf_dir
 from hf.imports import read as read_hf
-from model.config import ModelConfig
+from model.config import ModelConfig, upgrade_saved
 from train import distributed as dist
 
 MARKER = "COMPLETE"
@@ -126,7 +126,8 @@ def model_source(path: Path) -> Optional[ModelSource]:
         return None
     try:
         origin = json.loads((path / ORIGIN).read_text())
-        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved_config(path).model))
+        saved = upgrade_saved(saved_config(path).model, model_only=True)
+        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved))
     except (OSError, ValueError, TypeError, OmegaConfBaseException) as error:
         raise CheckpointError(f"checkpoint {path}: {ORIGIN} or its model config is unreadable "
                               f"({first_line(error)}){older_hint(path)}") from None
@@ -267,7 +268,8 @@ def saved_config(ckpt: Path):
 def saved_model(ckpt: Path) -> ModelConfig:
     """The model config stored in a checkpoint, as a `ModelConfig` (fields it predates defaulted)."""
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved_config(ckpt).model))
+        saved = upgrade_saved(saved_config(ckpt).model, model_only=True)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved))
     except (ValueError, TypeError, OmegaConfBaseException) as error:
         raise CheckpointError(f"checkpoint {ckpt}: its model config is unreadable ({first_line(error)})"
                               f"{older_hint(ckpt)}") from None

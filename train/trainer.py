@@ -28,7 +28,7 @@ from data.tokenizer import get_tokenizer, load_tokenizer
 from hf.imports import HFImportError, combine
 from hf.imports import state_dict as hf_state_dict
 from model import GPT
-from model.convert import convert
+from model.convert import convert, t_init
 from model.sequence_parallel import SequenceParallel, enable
 from train import checkpoint, resume
 from train import distributed as dist
@@ -320,7 +320,8 @@ def _build_model(cfg: TrainConfig, checked: _Checked, sp: Optional[SequenceParal
 
 def _initial_state(cfg: TrainConfig, checked: _Checked) -> dict[str, torch.Tensor]:
     """init_from's weights, converted where this run has another attention (`model.convert`:
-    Origin to CoCA, T per `t_init`, or to ALiBi), which it then says on stderr (rank 0)."""
+    Origin to CoCA, T per `design_params.coca.t_init`, or to ALiBi), which it then says on stderr
+    (rank 0)."""
     source = checked.source
     if source is not None and source.hf is not None:
         state, source_model = hf_state_dict(source.hf), source.model
@@ -331,11 +332,12 @@ def _initial_state(cfg: TrainConfig, checked: _Checked) -> dict[str, torch.Tenso
         state = fp32_state_dict(checked.init_from)
     if source_model.attention == cfg.model.attention:
         return state
-    state, done = convert(state, source_model, cfg.model, cfg.t_init, seed=cfg.seed)
+    state, done = convert(state, source_model, cfg.model, seed=cfg.seed)
     if dist.is_main():
         target = cfg.model.design.label
-        t_init = f" (t_init={cfg.t_init})" if cfg.model.design.from_origin == "k_to_t" else ""
-        print(f"init_from {checked.init_from}: {source_model.attention} converted to {target}{t_init}: "
+        start = t_init(cfg.model)
+        t_init_note = "" if start is None else f" (t_init={start})"
+        print(f"init_from {checked.init_from}: {source_model.attention} converted to {target}{t_init_note}: "
               f"{done.describe()}", file=sys.stderr)
     return state
 

@@ -324,3 +324,12 @@ def check_out(out: Path, overwrite: bool) -> None:
     if foreign:
         raise ExportError(f"out={out} is a previous export but also holds {', '.join(foreign[:3])}, which "
                           "the export did not write: move them away or give out= another directory")
+
+
+if __name__ == "__main__":  # `python -m hf.export`: this is the library; the command is train's
+    import sys
+
+    from errors import UsageError, report_error
+
+    sys.exit(report_error(UsageError("hf.export is the exporter's library: export a run with "
+                                     "python -m train.export_hf run=<run or checkpoint> out=<dir>")))

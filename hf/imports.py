@@ -54,6 +54,8 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # The RoPE fields each type may carry (the ones our RoPE computes, as hf.export writes them).
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings"}
 _TYPE_KEYS = {"yarn": {"beta_fast", "beta_slow"}, "llama3": {"low_freq_factor", "high_freq_factor"}}
+# What a type cannot do without, as transformers' validation of `rope_parameters` requires it.
+_TYPE_REQUIRED = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _BUFFERS = re.compile(r"(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")  # not parameters
 # transformers' defaults for fields a config.json may leave out (GPTNeoXConfig, LlamaConfig).
 _DEFAULTS = {
@@ -158,6 +160,11 @@ def _rope(config: dict, arch: str, where: str, max_positions: int) -> tuple[floa
     factor = scaling.get("factor")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1.0:
         raise HFImportError(f"{where}: {field}.factor={json.dumps(factor)} must be a number >= 1 for RoPE type {kind}")
+    missing = [key for key in _TYPE_REQUIRED.get(kind, ()) if scaling.get(key) is None]
+    if missing:
+        raise HFImportError(f"{where}: {field} of RoPE type {kind} lacks {', '.join(missing)} (transformers "
+                            "refuses it too): give them, e.g. Llama 3.1's low_freq_factor 1.0, high_freq_factor 4.0 "
+                            "and the length it was pretrained at")
     extras: dict[str, Any] = {}
     if kind in _TYPE_KEYS:
         extras = {k: float(scaling[k]) for k in _TYPE_KEYS[kind] if scaling.get(k) is not None}
@@ -374,3 +381,12 @@ def combine(source: ModelConfig, requested: ModelConfig, where: str) -> ModelCon
         raise ConfigError(f"{error} (with the model of {where})") from None
     check_conversion(source, combined)  # only Origin converts, as the target's record allows (`model.convert`)
     return combined
+
+
+if __name__ == "__main__":  # `python -m hf.imports`: this is the library; a run imports with init_from
+    import sys
+
+    from errors import UsageError, report_error
+
+    sys.exit(report_error(UsageError("hf.imports is the importer's library: train from a Hugging Face "
+                                     "directory with python -m train init_from=<dir> [model.attention=...]")))

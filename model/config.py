@@ -135,6 +135,22 @@ def upgrade_saved(tree: Any, model_only: bool = False) -> Any:
     return model if model_only else {**tree, "model": model}
 
 
+def unselected_params(cfg: ModelConfig) -> str | None:
+    """The one-line refusal of a parameter set (away from its default) for a design the config does
+    not select, e.g. `model.design_params.prope.p=0.5` with `model.attention=origin`, or None. Checked
+    where a run's config is given (`python -m train`), not where one is read: nothing reads it."""
+    for section, params in _SECTIONS.items():
+        if section == cfg.attention:
+            continue
+        given, default = getattr(cfg.design_params, section), params()
+        changed = [f"model.design_params.{section}.{name}={getattr(given, name)}"
+                   for name in default.__dataclass_fields__ if getattr(given, name) != getattr(default, name)]
+        if changed:
+            return (f"{', '.join(changed)}: a parameter of attention={section}, but model.attention="
+                    f"{cfg.attention} does not read it; drop it, or set model.attention={section}")
+    return None
+
+
 def legacy_override(overrides: list[str]) -> str | None:
     """The one-line refusal of a command-line override naming a key that moved (`MOVED`), or None."""
     for override in overrides:

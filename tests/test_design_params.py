@@ -11,8 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from model import ModelConfig
-from model.designs import DESIGNS
-from model.designs import registry
+from model.designs import DESIGNS, registry
 
 REPO = Path(__file__).resolve().parents[1]
 PUBLISHED = sorted(REPO.glob("docs/results/*/*/config.yaml"))

@@ -1,7 +1,8 @@
 """Write a trained model as a self-contained Hugging Face model directory (`export_hf`).
 
 The directory holds `config.json`, `model.safetensors` (our parameters under GPT-NeoX's names for
-arch=neox, Llama's for arch=llama: `hf.names`), `generation_config.json`, the tokenizer, and the
+arch=neox, the head `embed_out.weight` as GPTNeoXForCausalLM's checkpoints name it, Llama's for
+arch=llama: `hf.names`), `generation_config.json`, the tokenizer, and the
 marker `coca_lm_export.json` listing these files. The tokenizer is the run's: our SentencePiece
 model written as a `tokenizer.json` that `AutoTokenizer` loads (standard `PreTrainedTokenizerFast`,
 same ids as `data.tokenizer.Tokenizer`), or, for a run that trained with a Hugging Face tokenizer
@@ -257,7 +258,8 @@ def export_hf(model: GPT, tokenizer: Tokenizer | HFTokenizer, out: str | Path, *
     tmp.mkdir()
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config(m, tokenizer), indent=2) + "\n")
-        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(hf_state_dict(model, neox_checkpoint=native(m)), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         # safetensors >= 0.8 writes through a temporary file created 0600, whatever the umask
         # (safetensors issue #782): give it the mode config.json got, as every other file here.
         os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))

@@ -235,7 +235,8 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
 
 def _our_names(cfg: ModelConfig, present: set[str]) -> dict[str, str]:
     """Our parameter name -> its tensor's name in the directory. GPT-NeoX checkpoints call the LM
-    head `embed_out` (transformers renames it on load); ours are exported as `lm_head`."""
+    head `embed_out` (transformers renames it on load), as our plain GPT-NeoX exports do; our
+    remote-code exports call it `lm_head`."""
     names = llama_hf_names(cfg) if cfg.arch == "llama" else hf_names(cfg)
     if cfg.arch == "neox" and "lm_head.weight" in names and "lm_head.weight" not in present:
         names["lm_head.weight"] = "embed_out.weight"

@@ -36,11 +36,12 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}
 
 # torchrun's stderr passes through a filter that folds its own failure report (a rank's error is
-# one line: launch/fold_torchrun_report.awk) and records the failed rank's exit code for ours.
+# one line: launch/fold_torchrun_report.awk) and records the failed rank's exit code for ours. The
+# filter ignores the stop signals (it is in our process group): it ends when the ranks' output does.
 root_cause=$(mktemp)
 trap 'rm -f "$root_cause"' EXIT
 setsid torchrun "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" -m train "$@" \
-  2> >(awk -v codefile="$root_cause" -f launch/fold_torchrun_report.awk >&2) &
+  2> >(trap '' INT TERM HUP; exec awk -v codefile="$root_cause" -f launch/fold_torchrun_report.awk >&2) &
 launcher=$!
 stop_signal=0
 

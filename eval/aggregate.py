@@ -221,22 +221,19 @@ def family_tests(cells: Cells, boots: Bootstraps, family: Family) -> list[dict]:
 
 
 def detectable(rows: Sequence[dict], family: Family) -> list[dict]:
-    """Per comparison: the smallest difference it could detect (`stats.detectable_difference` at
-    Holm's first-step level, from each length's pooled seed SD; the median over lengths), and the
-    smallest p its seed counts allow against that level."""
+    """Per comparison and length: the smallest difference it could detect
+    (`stats.detectable_difference` at Holm's first-step level, from that cell's pooled seed SD: the
+    spread differs between lengths, so one value per length), and the smallest p its seed counts
+    allow against that level."""
     out = []
-    for a, scaling_a, b, scaling_b in family.comparisons:
-        here = [r for r in rows if r["tested"]
-                and (r["a"], r["scaling"], r["b"], r["scaling_b"]) == (a, scaling_a, b, scaling_b)]
-        sizes = [(r["n_a"], r["n_b"], r["pooled_sd"]) for r in here if not math.isnan(r["pooled_sd"])]
-        row = {"a": a, "b": b, "scaling": scaling_a, "scaling_b": scaling_b, "lengths": len(here),
+    for r in rows:
+        row = {"a": r["a"], "b": r["b"], "scaling": r["scaling"], "scaling_b": r["scaling_b"], "length": r["length"],
                "level": family.alpha / family.size}
-        if sizes:
-            n_a, n_b, _ = sizes[0]
-            deltas = [stats.detectable_difference(sd, na, nb, family.alpha, family.size)
-                      for na, nb, sd in sizes]
-            row |= {"n_a": n_a, "n_b": n_b, "median_sd": float(np.median([s for _, _, s in sizes])),
-                    "detectable": float(np.median(deltas)), "smallest_p": stats.smallest_p(n_a, n_b)}
+        if r["tested"] and not math.isnan(r["pooled_sd"]):
+            row |= {"n_a": r["n_a"], "n_b": r["n_b"], "pooled_sd": r["pooled_sd"],
+                    "detectable": stats.detectable_difference(r["pooled_sd"], r["n_a"], r["n_b"], family.alpha,
+                                                              family.size),
+                    "smallest_p": stats.smallest_p(r["n_a"], r["n_b"])}
         out.append(row)
     return out
 

@@ -526,15 +526,16 @@ def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggreg
     md += [markdown(["a", "b", "scaling", "length", "seeds a", "seeds b", "mean a", "mean b",
                      "effect [95% CI]", "p", "p (Holm)", "significant"], body), ""]
     md += ["### Smallest detectable difference", "",
-           f"Per comparison: the difference of seed means detected with 80% power at the level of Holm's "
-           f"first step ({family.alpha} / {family.size} = {level:.2g}, two-sided), by the normal "
-           "approximation with the cell's pooled seed SD (median over the lengths tested). Where the "
+           f"Per comparison and length: the difference of seed means detected with 80% power at the level "
+           f"of Holm's first step ({family.alpha} / {family.size} = {level:.2g}, two-sided), by the normal "
+           "approximation with that cell's pooled seed SD. Where the "
            "smallest p the exact test can give with these seeds is above that level, no difference of "
            "any size can be significant in this family.", ""]
-    body = [[r["a"], r["b"], _scalings(r), r.get("n_a", ""), r.get("n_b", ""), r.get("median_sd", ""),
+    body = [[r["a"], r["b"], _scalings(r), plots._k(r["length"]), r.get("n_a", ""), r.get("n_b", ""),
+             r.get("pooled_sd", ""),
              r.get("detectable", ""), r.get("smallest_p", ""),
              ("yes" if r["smallest_p"] <= level else "no") if "smallest_p" in r else ""] for r in power]
-    md += [markdown(["a", "b", "scaling", "seeds a", "seeds b", "pooled seed SD", "detectable difference",
+    md += [markdown(["a", "b", "scaling", "length", "seeds a", "seeds b", "pooled seed SD", "detectable difference",
                      "smallest possible p", f"can reach {level:.2g}"], body), ""]
     return md
 

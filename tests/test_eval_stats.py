@@ -209,3 +209,25 @@ def test_a_family_comparison_across_scalings_tests_a_as_trained_against_b_scaled
     pairs = {(t["a"], t["scaling"], t["b"], t["scaling_b"]) for t in aggregate.significance(cells, boots, family)}
     assert ("origin", "dynamic:8", "extend", "none") not in pairs and ("extend", "none", "origin", "none") in pairs
     assert aggregate.detectable([row], family)[0]["smallest_p"] == pytest.approx(0.1)
+
+
+def test_detectable_difference_is_given_per_length_from_that_lengths_spread():
+    """Two lengths with different seed spreads: each row's detectable difference is the normal
+    approximation (z(1 - alpha / 2m) + z(0.8)) x pooled SD x sqrt(1/n_a + 1/n_b) of its own cell."""
+    from scipy.stats import norm
+
+    family = aggregate.Family(Path("f.yaml"), "ppl_ratio", (1024, 4096), (("coca", "none", "origin", "none"),),
+                              0.05, 500)
+    a4, b4, a16, b16 = [1.0, 1.1, 1.2], [1.3, 1.4, 1.6, 1.5], [1.0, 1.5, 2.0], [1.9, 2.9, 2.4, 1.4]
+    cells = _cells({("coca", "none"): [[v] for v in a4], ("origin", "none"): [[v] for v in b4]}, "ppl_ratio", 1024)
+    cells |= _cells({("coca", "none"): [[v] for v in a16], ("origin", "none"): [[v] for v in b16]}, "ppl_ratio", 4096)
+    rows = aggregate.family_tests(cells, aggregate.Bootstraps(cells, 500), family)
+    power = aggregate.detectable(rows, family)
+    assert [r["length"] for r in power] == [1024, 4096]
+    z = norm.ppf(1 - 0.05 / 4) + norm.ppf(0.8)
+    for row, (a, b) in zip(power, ((a4, b4), (a16, b16))):
+        squares = (len(a) - 1) * np.var(a, ddof=1) + (len(b) - 1) * np.var(b, ddof=1)
+        pooled = math.sqrt(squares / (len(a) + len(b) - 2))
+        assert row["pooled_sd"] == pytest.approx(pooled, rel=1e-12)
+        assert row["detectable"] == pytest.approx(z * pooled * math.sqrt(1 / 3 + 1 / 4), rel=1e-12)
+    assert power[1]["detectable"] > 4 * power[0]["detectable"]

@@ -25,7 +25,7 @@ from model.sequence_parallel import sequence_refusal
 
 __all__ = ["ConfigError", "TrainConfig", "compose", "register_configs", "to_train_config"]  # ConfigError: errors.py
 
-DECAYS = ("cosine", "linear", "constant")
+DECAYS = ("cosine", "linear", "constant", "wsd")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 NONFINITE = ("stop", "skip")
@@ -45,6 +45,11 @@ def _at_least(name: str, value: float, low: float) -> None:
 class OptimConfig:
     """AdamW with linear warm-up from `warmup_init_lr`, then `decay` to `min_lr` at `max_steps`.
 
+    decay: cosine | linear (from the end of warm-up to max_steps) | constant (lr after warm-up) |
+      wsd (warmup-stable-decay: lr after warm-up until the last `decay_fraction` of max_steps, then
+      linear to min_lr; a run's stable phase is shared by every longer run, so a checkpoint of it
+      starts a cooldown branch to a shorter dose: `branch_from`).
+    decay_fraction: wsd only, the fraction of max_steps spent decaying (rounded to whole steps).
     grad_clip: global gradient-norm clipping (0 disables). Weight decay skips biases and norms.
     """
 
@@ -53,6 +58,7 @@ class OptimConfig:
     warmup_steps: int = 20
     warmup_init_lr: float = 0.0
     decay: str = "cosine"
+    decay_fraction: float = 0.2
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -68,6 +74,8 @@ class OptimConfig:
         if not 0 <= self.warmup_init_lr <= self.lr:
             raise ValueError(f"optim.warmup_init_lr={self.warmup_init_lr!r} must be in [0, optim.lr]")
         _at_least("optim.warmup_steps", self.warmup_steps, 0)
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"optim.decay_fraction={self.decay_fraction!r} must be in (0, 1]")
         _at_least("optim.weight_decay", self.weight_decay, 0.0)
         _at_least("optim.grad_clip", self.grad_clip, 0.0)
         for name in ("beta1", "beta2"):
@@ -165,6 +173,12 @@ class TrainConfig:
     forward. Gradient accumulation is batch_size / (micro_batch_size * data-parallel size), the
     data-parallel size being world size / parallel.sequence.
     resume: null (fresh run), auto (newest complete checkpoint in run_dir, if any) or a path.
+    branch_from: a checkpoint of another run this run starts from with its whole training state
+        (weights, optimizer, schedule step, data position, RNG), at its first start only: once its
+        own run_dir holds checkpoints, resume=auto continues those. With `optim.decay=wsd` and a
+        checkpoint of the source's stable phase it is a cooldown branch: the run that a shorter WSD
+        schedule would have trained (the source's learning rates before the branch point must be
+        this run's, or it is refused).
     init_from: a run or checkpoint directory, or a Hugging Face directory, whose weights (only)
         start this run; with another `model.attention` they are converted (`model.convert`).
     nonfinite: stop (exit with an error) or skip (drop the batch) on a non-finite loss.
@@ -193,6 +207,7 @@ class TrainConfig:
     ckpt_every: int = 100
     keep_last: int = 2
     resume: Optional[str] = None
+    branch_from: Optional[str] = None
     init_from: Optional[str] = None
     nonfinite: str = "stop"
     compile: bool = False
@@ -209,6 +224,14 @@ class TrainConfig:
         _one_of("nonfinite", self.nonfinite, NONFINITE)
         if self.resume is not None and self.init_from is not None:
             raise ValueError("resume and init_from are exclusive: resume continues a run, init_from starts one")
+        if self.branch_from is not None and (self.init_from is not None or self.resume not in (None, "auto")):
+            raise ValueError("branch_from starts a run from a checkpoint's whole state: give it alone (resume=auto "
+                             "continues the branch), not with init_from or resume=<path>")
+        if self.optim.decay == "wsd" and wsd_decay_start(self.optim, self.max_steps) < self.optim.warmup_steps:
+            raise ValueError(f"optim.decay=wsd: the decay ({self.optim.decay_fraction:g} of "
+                             f"max_steps={self.max_steps}) would start inside the "
+                             f"{self.optim.warmup_steps}-step warm-up: lower optim.decay_fraction "
+                             "or optim.warmup_steps")
         if self.continues and self.resume is None and self.init_from is None:
             raise ValueError(f"{self.name} continues a trained model: give init_from=<run, checkpoint or Hugging "
                              "Face directory> (or resume=auto to continue this run)")
@@ -231,6 +254,11 @@ class TrainConfig:
                 f"x {ranks} that divides {self.batch_size // self.micro_batch_size}, or change batch_size"
             )
         return self.batch_size // per_step
+
+
+def wsd_decay_start(optim: OptimConfig, max_steps: int) -> int:
+    """The first step of a WSD schedule's decay: the last `decay_fraction` of `max_steps` decays."""
+    return max_steps - round(optim.decay_fraction * max_steps)
 
 
 def setup_id(cfg: TrainConfig) -> str:

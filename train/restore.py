@@ -21,10 +21,14 @@ from train.faults import FaultInjector
 
 
 def checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
-    """The checkpoint this run continues from, if any; refuse to overwrite a run silently."""
+    """The checkpoint this run continues from, if any: its own newest (resume=auto), the one named
+    (resume=<path>), or, at a branch's first start, its source (`branch_from`); refuse to overwrite
+    a run silently."""
     if cfg.resume == "auto":
         found = checkpoint.complete_checkpoints(cfg.run_dir)
-        return found[-1] if found else None
+        if found:
+            return found[-1]
+        return checkpoint.find_checkpoint(cfg.branch_from) if cfg.branch_from else None
     if cfg.resume:
         return checkpoint.find_checkpoint(cfg.resume)
     found = checkpoint.complete_checkpoints(cfg.run_dir)
@@ -33,7 +37,7 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
             f"run_dir {cfg.run_dir} already holds checkpoints (newest {found[-1].name}): pass resume=auto "
             "to continue that run, or set name=<new name> for a new one"
         )
-    return None
+    return checkpoint.find_checkpoint(cfg.branch_from) if cfg.branch_from else None
 
 
 def complete_checkpoint(cfg: TrainConfig) -> Path | None:

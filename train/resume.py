@@ -19,7 +19,8 @@ from data.tokenizer import TOKENIZER_FILES
 from model.config import upgrade_saved
 from train import checkpoint
 from train.checkpoint import CheckpointError
-from train.config import TrainConfig
+from train.config import OptimConfig, TrainConfig
+from train.schedule import first_difference, lr_at
 
 HONOUR, REFUSE = "honour", "refuse"
 
@@ -37,6 +38,7 @@ RULES: dict[str, tuple[str, str]] = {
     "optim.warmup_steps": (HONOUR, _SCHEDULE),
     "optim.warmup_init_lr": (HONOUR, _SCHEDULE),
     "optim.decay": (HONOUR, _SCHEDULE),
+    "optim.decay_fraction": (HONOUR, _SCHEDULE),
     "max_steps": (HONOUR, _SCHEDULE + " (it must not be below the checkpoint's step)"),
     "optim.weight_decay": (HONOUR, _GROUPS),
     "optim.beta1": (HONOUR, _GROUPS),
@@ -55,6 +57,7 @@ RULES: dict[str, tuple[str, str]] = {
     "name": (HONOUR, "a label (W&B run name)"),
     "run_dir": (HONOUR, "where this run writes; resume=<path> may read another run's checkpoint"),
     "resume": (HONOUR, "how the checkpoint is found"),
+    "branch_from": (HONOUR, "how the checkpoint is found (a branch's source schedule is checked apart)"),
     "init_from": (HONOUR, "exclusive with resume"),
     "continues": (HONOUR, "checked when a run starts"),
     "parallel.sequence": (HONOUR, "the data-parallel layout is re-planned, as for another world size"),
@@ -136,7 +139,7 @@ def check(ckpt: Path, cfg: TrainConfig) -> list[str]:
     refused, reasons, honoured = [], [], []
     for key in sorted(new):
         before, after = old.get(key), new[key]
-        if before == after or key in ("resume", "init_from"):
+        if before == after or key in ("resume", "init_from", "branch_from"):
             continue
         verdict, why = rule(key)
         if verdict == HONOUR:
@@ -157,7 +160,23 @@ def check(ckpt: Path, cfg: TrainConfig) -> list[str]:
             f"set max_steps >= {marker['step']}"
         )
     checkpoint.check_compatible(ckpt, cfg.model)
+    if cfg.branch_from and not Path(ckpt).resolve().is_relative_to(Path(cfg.run_dir).resolve()):
+        _check_branch(ckpt, marker["step"], old, cfg)
     return honoured
+
+
+def _check_branch(ckpt: Path, step: int, old: dict[str, Any], cfg: TrainConfig) -> None:
+    """A branch is the run its own schedule would have trained only if its source trained the steps
+    before the branch point at this schedule's learning rates (a WSD source: in its stable phase)."""
+    source = OptimConfig(**{key.split(".", 1)[1]: value for key, value in old.items() if key.startswith("optim.")})
+    differs = first_difference(source, old["max_steps"], cfg.optim, cfg.max_steps, step)
+    if differs is not None:
+        raise CheckpointError(
+            f"branch_from={cfg.branch_from}: its run trained step {differs} at learning rate "
+            f"{lr_at(differs, source, old['max_steps']):.6g}, this run's schedule gives "
+            f"{lr_at(differs, cfg.optim, cfg.max_steps):.6g} (a branch must share its source's schedule up to "
+            f"step {step}: branch from a checkpoint of a WSD run's stable phase, with its optim settings)"
+        )
 
 
 def check_tokenizer(ckpt: Path, tokenizer) -> None:

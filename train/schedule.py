@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warm-up, then cosine or linear decay to a floor.
+"""Learning-rate schedule: linear warm-up, then cosine, linear or warmup-stable-decay to a floor.
 
 A pure function of the step, so resuming needs only the step counter. DeepSpeed drives it as an
 `LRScheduler` (stepped once per optimizer step and saved in its checkpoints) whose saved state is
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from train.config import OptimConfig
+from train.config import OptimConfig, wsd_decay_start
 
 # Per-group optimizer settings taken from the config the optimizer was built with (the checkpoint's
 # param groups carry the values of the run that wrote it).
@@ -26,13 +26,24 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
         return optim.warmup_init_lr + (optim.lr - optim.warmup_init_lr) * (step + 1) / optim.warmup_steps
     if optim.decay == "constant":
         return optim.lr
-    span = max(1, max_steps - optim.warmup_steps)
-    progress = min(1.0, (step - optim.warmup_steps) / span)
+    start = wsd_decay_start(optim, max_steps) if optim.decay == "wsd" else optim.warmup_steps
+    if step < start:
+        return optim.lr
+    span = max(1, max_steps - start)
+    progress = min(1.0, (step - start) / span)
     if optim.decay == "cosine":
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     else:
         shape = 1.0 - progress
     return optim.min_lr + (optim.lr - optim.min_lr) * shape
+
+
+def first_difference(a: OptimConfig, a_steps: int, b: OptimConfig, b_steps: int, steps: int) -> int | None:
+    """The first of the first `steps` steps at which two schedules' learning rates differ, if any."""
+    for step in range(steps):
+        if lr_at(step, a, a_steps) != lr_at(step, b, b_steps):
+            return step
+    return None
 
 
 class Schedule(torch.optim.lr_scheduler.LRScheduler):

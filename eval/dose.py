@@ -1,0 +1,401 @@
+"""The dose-response report: how each design's perplexity ratio beyond the training length moves
+with the number of training tokens (launch/reproduce_dose.sh, conf/study/dose.yaml).
+
+Runs are published as `<design>_d<steps>_s<seed>` folders (config.yaml, ppl.json, cost.json,
+machine.txt). The metric is the perplexity study's: perplexity at a length over the run's own
+perplexity at the training length, one value per run, so the seed is the unit of replication.
+With `--family`, the pre-registered tests come first, Holm-adjusted together:
+
+- `difference` (a vs b at one length and scaling, at every dose): the difference of seed means,
+  its 95% seed-bootstrap interval, the exact permutation p over seeds;
+- `trend` (a vs b): each chain's growth g = ratio at the top dose - ratio at the lowest (one chain
+  per design and seed: its doses share their first steps, `branch_from`), compared between the
+  designs as above: the mean difference of g is a's effect at the top dose minus at the lowest;
+- `growth` (one design): the mean of g, tested by exact sign flips over seeds (the two doses of a
+  chain are paired).
+
+Every other number (the other lengths, the pairs not registered, `--reference` runs placed on the
+figure) is exploratory and labelled so. The report regenerates byte for byte: fixed bootstrap
+generators, rounded numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+import yaml
+from omegaconf import OmegaConf
+
+from data.cli import OneLineParser
+from data.config import DataError, check_dir
+from errors import exit_code, report_error
+from eval import stats
+from eval.aggregate import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, NONE, run_cases
+from eval.report import markdown, write_csv
+
+RUN_NAME = re.compile(r"(?P<design>.+)_d(?P<dose>\d+)_s(?P<seed>\d+)")
+REFERENCE_NAME = re.compile(r"(?P<design>.+)_s(?P<seed>\d+)")
+TESTS = ("difference", "trend", "growth")
+
+
+@dataclass
+class DoseRun:
+    """One published run: its design, dose (steps), seed, tokens, and ratio per (scaling, length)."""
+
+    design: str
+    dose: int
+    seed: int
+    train_len: int
+    tokens: int
+    non_embedding: int
+    ratios: dict[tuple[str, int], float]
+    cost: dict = field(default_factory=dict)
+    machine: str = ""
+
+    @property
+    def tokens_per_param(self) -> float:
+        return self.tokens / self.non_embedding
+
+
+def load_run(path: Path, pattern: re.Pattern = RUN_NAME, dose: int | None = None) -> DoseRun:
+    """A published (or local) run folder; `pattern` names its design, dose and seed."""
+    from model.config import count_parameters  # deferred: torch
+    from train.config import to_train_config
+
+    match = pattern.fullmatch(path.name)
+    if match is None:
+        raise DataError(f"{path}: a dose run's folder is named <design>_d<steps>_s<seed>")
+    config, results = path / "config.yaml", path / "ppl.json"
+    if not results.is_file() and (path / "eval" / "ppl.json").is_file():
+        results = path / "eval" / "ppl.json"
+    for needed in (config, results):
+        if not needed.is_file():
+            raise DataError(f"{path}: {needed.name} is missing (not a finished, evaluated run)")
+    cfg = to_train_config(OmegaConf.load(config))
+    cases = run_cases({"ppl": json.loads(results.read_text())})
+    ratios = {(scaling, length): float(v.mean()) for (metric, scaling, length), v in cases.items()
+              if metric == "ppl_ratio"}
+    cost = json.loads((path / "cost.json").read_text()) if (path / "cost.json").is_file() else {}
+    machine = (path / "machine.txt").read_text().strip().splitlines() if (path / "machine.txt").is_file() else []
+    steps = int(match.group("dose")) if dose is None else dose
+    return DoseRun(match.group("design"), steps, int(match.group("seed")), cfg.model.max_seq_len,
+                   steps * cfg.batch_size * cfg.model.max_seq_len, count_parameters(cfg.model)["non_embedding"],
+                   ratios, cost, machine[-1] if machine else "")
+
+
+# ----------------------------------------------------------------------------- the family
+
+
+@dataclass(frozen=True)
+class DoseFamily:
+    path: Path
+    doses: tuple[int, ...]
+    tests: tuple[dict, ...]
+    alpha: float
+    resamples: int
+
+
+def load_family(path: Path) -> DoseFamily:
+    if not path.is_file():
+        raise DataError(f"--family {path}: no such file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+        tests = tuple(dict(t) for t in raw["family"])
+        family = DoseFamily(path, tuple(sorted(int(d) for d in raw["doses"])), tests, float(raw["alpha"]),
+                            int(raw.get("bootstrap_resamples", BOOTSTRAP_RESAMPLES)))
+        for t in tests:
+            if t["test"] not in TESTS or not {"length", "scaling"} <= set(t):
+                raise ValueError(f"{t}: test must be one of {', '.join(TESTS)}, with length and scaling")
+            if (t["test"] == "growth") != ("design" in t) or (t["test"] != "growth") != ({"a", "b"} <= set(t)):
+                raise ValueError(f"{t}: growth names a design; difference and trend name a and b")
+    except (yaml.YAMLError, AttributeError, KeyError, TypeError, ValueError) as e:
+        raise DataError(f"--family {path} needs doses, alpha and a family of tests ({type(e).__name__}: {e})") from None
+    if raw.get("metric") != "ppl_ratio" or raw.get("adjust") != "holm":
+        raise DataError(f"--family {path}: this report implements metric: ppl_ratio, adjust: holm")
+    return family
+
+
+def _values(runs: Sequence[DoseRun], design: str, dose: int, scaling: str, length: int) -> dict[int, float]:
+    """Seed -> ratio of one design at one dose."""
+    return {r.seed: r.ratios[(scaling, length)] for r in runs
+            if r.design == design and r.dose == dose and (scaling, length) in r.ratios}
+
+
+def growth(runs: Sequence[DoseRun], design: str, low: int, top: int, scaling: str, length: int) -> dict[int, float]:
+    """Seed -> ratio at the top dose minus at the lowest, for the seeds that have both."""
+    at_low, at_top = (_values(runs, design, d, scaling, length) for d in (low, top))
+    return {seed: at_top[seed] - at_low[seed] for seed in sorted(at_low.keys() & at_top.keys())}
+
+
+def sign_flip_p(values: Sequence[float]) -> float:
+    """Exact two-sided p of a mean of paired differences: the share of the 2^n sign assignments
+    whose |mean| is at least the observed one (observed included, so p >= 2 / 2^n)."""
+    x = np.asarray(values, float)
+    if len(x) == 0:
+        raise ValueError("a sign-flip test needs at least one seed")
+    signs = np.array(list(product((1.0, -1.0), repeat=len(x))))
+    means = np.abs(signs @ x) / len(x)
+    tol = 1e-9 * max(1.0, float(np.abs(x).max()))
+    return float(np.mean(means >= abs(x.mean()) - tol))
+
+
+def _bootstrap(values: Sequence[float], key: str, resamples: int) -> np.ndarray:
+    """Seed-bootstrap replicates of a mean, from a generator named by `key` (order-independent)."""
+    rng = np.random.default_rng(np.random.SeedSequence(BOOTSTRAP_SEED, spawn_key=(zlib.crc32(key.encode()),)))
+    return stats.bootstrap_means([np.array([v]) for v in values], resamples, rng)
+
+
+def _interval_of_mean(values: Sequence[float], key: str, resamples: int) -> tuple[float, float]:
+    """95% seed-bootstrap interval of a mean; NaNs for a single seed (its spread is unknown)."""
+    if len(values) < 2:
+        return math.nan, math.nan
+    return stats.percentile_interval(_bootstrap(values, key, resamples))
+
+
+def _two_groups(a: Sequence[float], b: Sequence[float], key: str, resamples: int, m: int, alpha: float) -> dict:
+    row = {"n_a": len(a), "n_b": len(b)}
+    if not a or not b:
+        return row | {"tested": False, "p": math.nan}
+    diff = stats.mean_difference(a, b)
+    low = high = math.nan
+    if len(a) > 1 and len(b) > 1:
+        replicates = _bootstrap(a, key + "|a", resamples) - _bootstrap(b, key + "|b", resamples)
+        low, high = stats.percentile_interval(replicates)
+    sd = stats.pooled_sd(a, b)
+    return row | {"tested": True, "effect": diff, "low": low, "high": high, "p": stats.permutation_p(a, b),
+                  "smallest_p": stats.smallest_p(len(a), len(b)),
+                  "detectable": stats.detectable_difference(sd, len(a), len(b), alpha, m) if sd == sd else math.nan}
+
+
+def _one_group(g: Sequence[float], key: str, resamples: int, m: int, alpha: float) -> dict:
+    row = {"n_a": len(g), "n_b": len(g)}
+    if not g:
+        return row | {"tested": False, "p": math.nan}
+    low, high = _interval_of_mean(g, key, resamples)
+    sd = stats.sample_sd(g)
+    z = stats.sps.norm.ppf(1 - alpha / (2 * m)) + stats.sps.norm.ppf(stats.POWER)
+    detectable = float(z * sd / math.sqrt(len(g))) if sd == sd else math.nan
+    return row | {"tested": True, "effect": float(np.mean(g)), "low": low, "high": high, "p": sign_flip_p(g),
+                  "smallest_p": 2.0 / 2 ** len(g), "detectable": detectable}
+
+
+def family_tests(runs: Sequence[DoseRun], family: DoseFamily) -> list[dict]:
+    """One row per registered test (a `difference` once per dose), Holm-adjusted together; a test
+    without runs enters with p = 1, so the family keeps its registered size."""
+    low, top = family.doses[0], family.doses[-1]
+    planned = [(t, dose) for t in family.tests for dose in (family.doses if t["test"] == "difference" else (None,))]
+    m, rows = len(planned), []
+    for t, dose in planned:
+        scaling, length = str(t["scaling"]), int(t["length"])
+        key = f"{t['test']}|{t.get('a', t.get('design'))}|{t.get('b')}|{dose}|{scaling}|{length}"
+        row = {"test": t["test"], "a": t.get("a", t.get("design")), "b": t.get("b", ""), "dose": dose or f"{top}-{low}",
+               "scaling": scaling, "length": length}
+        if t["test"] == "difference":
+            a, b = (list(_values(runs, t[k], dose, scaling, length).values()) for k in ("a", "b"))
+            row |= _two_groups(a, b, key, family.resamples, m, family.alpha)
+        elif t["test"] == "trend":
+            a, b = (list(growth(runs, t[k], low, top, scaling, length).values()) for k in ("a", "b"))
+            row |= _two_groups(a, b, key, family.resamples, m, family.alpha)
+        else:
+            row |= _one_group(list(growth(runs, t["design"], low, top, scaling, length).values()), key,
+                              family.resamples, m, family.alpha)
+        rows.append(row)
+    adjusted, reject = stats.holm([r["p"] if r["tested"] else 1.0 for r in rows], family.alpha)
+    for r, p_holm, significant in zip(rows, adjusted, reject):
+        r["p_holm"] = float(p_holm) if r["tested"] else math.nan
+        r["significant"] = bool(significant) and r["tested"]
+    return rows
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def summary(runs: Sequence[DoseRun], resamples: int) -> list[dict]:
+    """Per design, dose, scaling and length: seeds, tokens per parameter, mean ratio, its SD and
+    95% seed-bootstrap interval."""
+    rows = []
+    cells = sorted({(r.design, r.dose, s, n) for r in runs for (s, n) in r.ratios},
+                   key=lambda c: (c[0], c[1], c[2] != NONE, c[2], c[3]))
+    for design, dose, scaling, length in cells:
+        here = [r for r in runs if r.design == design and r.dose == dose and (scaling, length) in r.ratios]
+        values = [r.ratios[(scaling, length)] for r in here]
+        low, high = _interval_of_mean(values, f"{design}|{dose}|{scaling}|{length}", resamples)
+        rows.append({"design": design, "dose": dose, "tokens_per_param": here[0].tokens_per_param, "scaling": scaling,
+                     "length": length, "n": len(values), "mean": float(np.mean(values)),
+                     "sd": stats.sample_sd(values), "low": low, "high": high})
+    return rows
+
+
+def value_rows(runs: Sequence[DoseRun]) -> list[dict]:
+    return [{"design": r.design, "dose": r.dose, "seed": r.seed, "tokens": r.tokens, "non_embedding": r.non_embedding,
+             "tokens_per_param": r.tokens_per_param, "scaling": scaling, "length": length, "ratio": ratio}
+            for r in sorted(runs, key=lambda r: (r.design, r.dose, r.seed))
+            for (scaling, length), ratio in sorted(r.ratios.items(), key=lambda kv: (kv[0][0] != NONE, kv[0]))]
+
+
+def cost_rows(runs: Sequence[DoseRun]) -> list[dict]:
+    return [{"run": f"{r.design}_d{r.dose}_s{r.seed}", "train_s": r.cost.get("train_s", math.nan),
+             "eval_s": r.cost.get("eval_s", math.nan), "machine": r.machine}
+            for r in sorted(runs, key=lambda r: (r.design, r.dose, r.seed))]
+
+
+# ----------------------------------------------------------------------------- the figure
+
+
+def figure(runs: Sequence[DoseRun], reference: Sequence[DoseRun], length: int, train_len: int, resamples: int):
+    """The ratio at `length` against training tokens per non-embedding parameter (log axis), one
+    line per design with its 95% seed band and seeds as dots, a panel per scaling; reference runs
+    (another schedule, e.g. the published cosine study) as hollow markers with their interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    from eval.plots import design_color
+
+    scalings = sorted({s for r in runs for (s, n) in r.ratios if n == length}, key=lambda s: (s != NONE, s))
+    fig, axes = plt.subplots(1, len(scalings), figsize=(5.2 * len(scalings), 3.8), squeeze=False, sharey=True)
+    for ax, scaling in zip(axes[0], scalings):
+        for design in sorted({r.design for r in runs}):
+            color = design_color(design)
+            doses = sorted({r.dose for r in runs if r.design == design})
+            points = []
+            for dose in doses:
+                here = [r for r in runs if r.design == design and r.dose == dose and (scaling, length) in r.ratios]
+                if not here:
+                    continue
+                values = [r.ratios[(scaling, length)] for r in here]
+                x = here[0].tokens_per_param
+                ax.scatter([x] * len(values), values, s=9, color=color, alpha=0.45, linewidths=0)
+                low, high = _interval_of_mean(values, f"{design}|{dose}|{scaling}|{length}", resamples)
+                points.append((x, float(np.mean(values)), low, high))
+            if points:
+                xs, means, lows, highs = map(np.array, zip(*points))
+                ax.plot(xs, means, "-o", color=color, label=f"{design} (WSD)", markersize=4)
+                ax.fill_between(xs, lows, highs, color=color, alpha=0.18, linewidth=0)
+            ref = [r for r in reference if r.design == design and (scaling, length) in r.ratios]
+            if ref:
+                values = [r.ratios[(scaling, length)] for r in ref]
+                low, high = _interval_of_mean(values, f"ref|{design}|{scaling}|{length}", resamples)
+                ax.errorbar([ref[0].tokens_per_param], [np.mean(values)], yerr=[[np.mean(values) - low],
+                            [high - np.mean(values)]] if len(values) > 1 else None, fmt="D", mfc="none",
+                            color=color, capsize=3, label=f"{design} (published study, cosine, n={len(values)})")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xlabel("training tokens per non-embedding parameter")
+        ax.set_title("as trained" if scaling == NONE else f"+ {scaling}")
+        ax.axhline(1.0, color="0.6", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"perplexity at {length} / at {train_len}")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return "n/a" if x != x else f"{x:.{digits}f}"
+
+
+def _p(x: float) -> str:
+    return "n/a" if x != x else f"{x:.2g}"
+
+
+def _interval(mean: float, low: float, high: float, signed: bool = False) -> str:
+    sign = "+" if signed else ""
+    if low != low:
+        return f"{mean:{sign}.3f}"
+    return f"{mean:{sign}.3f} [{low:{sign}.3f}, {high:{sign}.3f}]"
+
+
+def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, reference: Sequence[DoseRun],
+          length: int, train_len: int) -> list[Path]:
+    resamples = family.resamples if family else BOOTSTRAP_RESAMPLES
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summary(runs, resamples)
+    written = [write_csv(out / "dose_values.csv", value_rows(runs)), write_csv(out / "dose_summary.csv", rows),
+               write_csv(out / "dose_cost.csv", cost_rows(runs))]
+    lines = ["# Dose-response report", "",
+             f"{len(runs)} runs: " + ", ".join(f"{d} {sorted({r.dose for r in runs if r.design == d})}"
+                                             for d in sorted({r.design for r in runs})) +
+             f" (steps). Metric: perplexity at the length / at {train_len}, one value per run; intervals are "
+             "95% seed-bootstrap intervals of the seed mean.", ""]
+    if family is not None:
+        tests = family_tests(runs, family)
+        written.append(write_csv(out / "dose_family.csv", tests))
+        lines += [f"## The pre-registered family ({family.path.name}, {len(tests)} tests, Holm at {family.alpha})", "",
+                  markdown(["test", "a", "b", "dose", "scaling", "length", "seeds", "effect [95% interval]", "p",
+                            "Holm p", "detectable", "smallest p"],
+                           [[t["test"], t["a"], t["b"] or "-", t["dose"], t["scaling"], t["length"],
+                             f"{t['n_a']} / {t['n_b']}" if t["test"] != "growth" else t["n_a"],
+                             _interval(t["effect"], t["low"], t["high"], signed=True) if t["tested"] else "not run",
+                             _p(t["p"]), _p(t["p_holm"]), _num(t.get("detectable", math.nan)),
+                             _p(t.get("smallest_p", math.nan))] for t in tests]), "",
+                  "`difference`: a - b of seed means at that dose; `trend`: (a - b at the top dose) - (a - b at the "
+                  "lowest), from each chain's growth; `growth`: the design's ratio at the top dose - at the lowest, "
+                  "paired by seed (exact sign flips). `detectable`: the smallest effect the test detects with 80% "
+                  "power at Holm's first level, from the observed seed SD.", "",
+                  "## Everything below is exploratory", ""]
+    lines += ["## Ratio per design, dose, scaling and length", "",
+              markdown(["design", "dose", "tokens / param", "scaling", "length", "seeds", "mean [95% interval]", "SD"],
+                       [[r["design"], r["dose"], _num(r["tokens_per_param"], 2), r["scaling"], r["length"], r["n"],
+                         _interval(r["mean"], r["low"], r["high"]), _num(r["sd"])] for r in rows]), "",
+              "## Cost per run (wall seconds on the machine named)", "",
+              markdown(["run", "train s", "eval s", "machine"],
+                       [[c["run"], c["train_s"], c["eval_s"], c["machine"]] for c in cost_rows(runs)]), ""]
+    if reference:
+        lines += [f"The figure places {len(reference)} reference runs (another schedule, hollow markers) "
+                  "beside the WSD doses.", ""]
+    fig = figure(runs, reference, length, train_len, resamples)
+    png = out / "dose_ratio.png"
+    fig.savefig(png, dpi=120, metadata={"Software": None})
+    written.append(png)
+    lines += [f"![ratio at {length} against training tokens]({png.name})", ""]
+    md = out / "dose_report.md"
+    md.write_text("\n".join(lines))
+    return [md, *written]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 0; 1 for an unusable input (a run without results), 2 for a wrong command line."""
+    parser = OneLineParser(prog="python -m eval.dose", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="<design>_d<steps>_s<seed> run folders")
+    parser.add_argument("--out", type=Path, default=Path("eval_report/dose"), help="output folder")
+    parser.add_argument("--family", type=Path, help="the pre-registration (conf/study/dose.yaml)")
+    parser.add_argument("--reference", type=Path, nargs="*", default=[],
+                        help="<design>_s<seed> runs of another schedule to place on the figure (exploratory)")
+    parser.add_argument("--reference-steps", type=int, default=750, help="the reference runs' steps")
+    parser.add_argument("--length", type=int, default=4096, help="the figure's length (default 16x of 256)")
+    args: argparse.Namespace = parser.parse_args(argv)
+    try:
+        check_dir(args.out, "--out")
+        family = load_family(args.family) if args.family else None
+        runs = [load_run(p) for p in args.runs]
+        designs = {r.design for r in runs}
+        reference = [r for r in (load_run(p, REFERENCE_NAME, args.reference_steps) for p in args.reference)
+                     if r.design in designs]
+        train_lens = {r.train_len for r in runs}
+        if len(train_lens) != 1:
+            raise DataError(f"the runs have different training lengths ({sorted(train_lens)}): one report per length")
+        for path in write(runs, args.out, family, reference, args.length, train_lens.pop()):
+            print(path)
+    except (FileNotFoundError, ValueError) as e:
+        return report_error(e, exit_code(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

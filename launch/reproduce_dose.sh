@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# The perplexity study's dose-response (docs/RESULTS.md), as pre-registered in conf/study/dose.yaml:
+# the perplexity study's model (conf/experiment/study_ppl.yaml, the design by one override) trained
+# for several doses of steps under a warmup-stable-decay schedule (optim.decay=wsd). Each design and
+# seed is one chain: the lowest dose from scratch, each higher dose a cooldown branch (branch_from)
+# from the previous dose's last stable checkpoint, so doses 750, 1500, 3000 cost 750 + 900 + 1800
+# steps instead of 5250 (a branch is bitwise the run its schedule would train from scratch:
+# tests/test_train_wsd.py). A design in the file's `top_only` trains its top dose alone, from
+# scratch. Every run is evaluated as the perplexity study evaluates (sliding-window perplexity on
+# the same 20 held-out documents at 1x .. 32x, as trained and with dynamic NTK 8 where the design
+# has RoPE) and published as <design>_d<steps>_s<seed> with its config, results, machine.txt and
+# cost.json (wall seconds of training and evaluation on that machine); then `python -m eval.dose`
+# writes the report (the pre-registered family first when FAMILY is given).
+#
+#   RESULTS=docs/results/dose FAMILY=conf/study/dose.yaml launch/reproduce_dose.sh   # the study
+#   DESIGNS="origin coca" SEEDS="101 102" DOSES="750 1500 3000" RESULTS=docs/results/dose/pilot \
+#     launch/reproduce_dose.sh                                                      # its pilot
+#
+# Environment: RUNS (default runs/dose; a chain whose next dose needs a checkpoint that is no longer
+# there retrains the dose below it, unpublished), FAMILY (the pre-registration: its doses,
+# decay_fraction, seeds per design and top_only), DESIGNS, SEEDS, DOSES, FRACTION, TOP_ONLY
+# (override the file's, or stand alone without it), JOBS (chains at once, default 2, one thread
+# each), RESULTS (where finished runs and the report are published; commit it, and the study
+# continues on another machine where it stopped), EVAL (evaluation overrides, space separated).
+# Resumable: a published run is skipped, a finished training (DONE) or evaluation (eval/DONE) too,
+# and an interrupted one continues from its newest checkpoint (resume=auto).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+FAMILY=${FAMILY:-}
+family() {  # key default: the pre-registration's value (lists space separated), else the default
+  if [ -z "$FAMILY" ]; then echo "$2"; return; fi
+  python -c 'import sys, yaml
+value = yaml.safe_load(open(sys.argv[1])).get(sys.argv[2])
+if isinstance(value, dict):
+    value = list(value)
+print(sys.argv[3] if value is None else " ".join(map(str, value)) if isinstance(value, list) else value)' \
+    "$FAMILY" "$1" "$2"
+}
+RUNS=${RUNS:-runs/dose}
+DOSES=${DOSES:-$(family doses "750 1500 3000")}
+FRACTION=${FRACTION:-$(family decay_fraction 0.2)}
+DESIGNS=${DESIGNS:-$(family seeds "origin coca")}
+TOP_ONLY=${TOP_ONLY:-$(family top_only "")}
+SEEDS=${SEEDS:-}
+JOBS=${JOBS:-2}
+RESULTS=${RESULTS:-}
+EVAL=${EVAL:-"ppl.lengths=[256,512,1024,2048,4096,8192] ppl.stride=2048 ppl.n_docs=20"}
+SCALINGS="[none,dynamic:8]"
+export PRESET=study_ppl SCALINGS
+mkdir -p "$RUNS/logs"
+if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
+# shellcheck source=launch/study_lib.sh
+source launch/study_lib.sh  # training_args, scalings_of, machine
+
+read -r -a DOSES <<< "$(printf '%s\n' $DOSES | sort -n | tr '\n' ' ')"
+TOP=${DOSES[-1]}
+# Where each dose's decay starts (its next dose branches from that checkpoint), the checkpoint
+# interval that lands on every such step, and enough kept checkpoints to keep them all.
+read -r -a STARTS <<< "$(python -c 'import math, sys
+from train.config import OptimConfig, wsd_decay_start
+optim = OptimConfig(decay="wsd", decay_fraction=float(sys.argv[1]))
+print(*(wsd_decay_start(optim, int(d)) for d in sys.argv[2:]))' "$FRACTION" "${DOSES[@]}")"
+EVERY=$(python -c 'import math, sys; print(math.gcd(*map(int, sys.argv[1:])))' "${STARTS[@]:0:${#STARTS[@]}-1}" "$TOP")
+KEEP=$((TOP / EVERY + 1))
+
+seeds_of() {  # design: $SEEDS, else 1 .. its pre-registered number of seeds
+  if [ -n "$SEEDS" ]; then echo "$SEEDS"; return; fi
+  if [ -z "$FAMILY" ]; then echo "error: set SEEDS (or FAMILY)" >&2; return 2; fi
+  python -c 'import sys, yaml
+n = yaml.safe_load(open(sys.argv[1]))["seeds"].get(sys.argv[2])
+sys.exit(f"error: design {sys.argv[2]} has no seeds in {sys.argv[1]}") if n is None else print(*range(1, n + 1))' \
+    "$FAMILY" "$1"
+}
+
+doses_of() {  # design: the indices of its doses (the top alone for a top_only design)
+  if [[ " $TOP_ONLY " == *" $1 "* ]]; then echo $((${#DOSES[@]} - 1)); else seq 0 $((${#DOSES[@]} - 1)); fi
+}
+
+name_of() { echo "$1_d$2_s$3"; }  # design dose seed
+published() { [ -n "$RESULTS" ] && [ -f "$RESULTS/$(name_of "$@")/DONE" ]; }
+
+train_dose() {  # design seed index first: train dose DOSES[index] (a branch unless it is the first)
+  local design=$1 seed=$2 i=$3 first=$4 dose=${DOSES[$3]} run_dir start=() t0=$SECONDS
+  run_dir="$RUNS/$(name_of "$design" "$dose" "$seed")"
+  if [ -f "$run_dir/DONE" ]; then return 0; fi
+  if [ "$i" != "$first" ]; then
+    start=("branch_from=$RUNS/$(name_of "$design" "${DOSES[$i - 1]}" "$seed")/checkpoints/step_$(printf %08d "${STARTS[$i - 1]}")")
+  fi
+  mkdir -p "$run_dir" && machine >> "$run_dir/machine.txt"
+  # shellcheck disable=SC2046  # one override per line
+  python -m train $(training_args "$design") run_dir="$run_dir" name="dose_$(basename "$run_dir")" \
+    seed="$seed" data.seed="$seed" optim.decay=wsd optim.decay_fraction="$FRACTION" max_steps="$dose" \
+    ckpt_every="$EVERY" keep_last="$KEEP" resume=auto logger.progress=false "${start[@]}" || return 1
+  echo $((SECONDS - t0)) >> "$run_dir/train_seconds"
+  touch "$run_dir/DONE"
+}
+
+evaluate_dose() {  # design seed dose: evaluate and publish
+  local design=$1 seed=$2 dose=$3 run_dir published t0=$SECONDS
+  run_dir="$RUNS/$(name_of "$design" "$dose" "$seed")"
+  if [ ! -f "$run_dir/eval/DONE" ]; then
+    # shellcheck disable=SC2086  # EVAL is a list of overrides
+    python -m eval run="$run_dir" task=ppl scalings="$(scalings_of "$design")" progress=false $EVAL || return 1
+    echo $((SECONDS - t0)) > "$run_dir/eval/seconds"
+    touch "$run_dir/eval/DONE"
+  fi
+  if [ -n "$RESULTS" ]; then
+    published="$RESULTS/$(name_of "$design" "$dose" "$seed")"
+    mkdir -p "$published"
+    cp "$run_dir"/eval/*.json "$run_dir/config.yaml" "$run_dir/machine.txt" "$published/"
+    python -c 'import json, sys
+train = sum(int(line) for line in open(sys.argv[1]))
+print(json.dumps({"train_s": train, "eval_s": int(open(sys.argv[2]).read())}))' \
+      "$run_dir/train_seconds" "$run_dir/eval/seconds" > "$published/cost.json"
+    touch "$published/DONE"
+  fi
+}
+
+chain() {  # design seed: every dose of the chain, lowest first; a dose is (re)trained while it or
+  local design=$1 seed=$2 indices i j needed first  # a later dose of the chain is unpublished
+  read -r -a indices <<< "$(doses_of "$design" | tr '\n' ' ')"
+  first=${indices[0]}
+  for i in "${indices[@]}"; do
+    needed=0
+    for j in "${indices[@]}"; do
+      if [ "$j" -ge "$i" ] && ! published "$design" "${DOSES[$j]}" "$seed"; then needed=1; fi
+    done
+    if [ "$needed" = 0 ]; then continue; fi
+    train_dose "$design" "$seed" "$i" "$first" || return 1
+    if ! published "$design" "${DOSES[$i]}" "$seed"; then evaluate_dose "$design" "$seed" "${DOSES[$i]}" || return 1; fi
+  done
+}
+
+echo "== doses ${DOSES[*]} (WSD, decay fraction $FRACTION; branches at ${STARTS[*]:0:${#STARTS[@]}-1}), designs $DESIGNS"
+plan=()  # seed by seed, so that every design has its first seeds published early
+for seed_rank in $(seq 1 1000); do
+  found=0
+  for design in $DESIGNS; do
+    read -r -a seeds <<< "$(seeds_of "$design")" || exit 2
+    if [ "$seed_rank" -le "${#seeds[@]}" ]; then plan+=("$design ${seeds[$seed_rank - 1]}"); found=1; fi
+  done
+  if [ "$found" = 0 ]; then break; fi
+done
+
+for item in "${plan[@]}"; do
+  read -r design seed <<< "$item"
+  while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  echo "== $design seed $seed (log: $RUNS/logs/${design}_s$seed.log)"
+  ( chain "$design" "$seed" >> "$RUNS/logs/${design}_s$seed.log" 2>&1 \
+      || echo "== FAILED: $design seed $seed (see $RUNS/logs/${design}_s$seed.log)" ) &
+done
+wait
+
+runs=()
+failed=0
+for item in "${plan[@]}"; do
+  read -r design seed <<< "$item"
+  for i in $(doses_of "$design"); do
+    name=$(name_of "$design" "${DOSES[$i]}" "$seed")
+    if published "$design" "${DOSES[$i]}" "$seed"; then runs+=("$RESULTS/$name")
+    elif [ -f "$RUNS/$name/eval/DONE" ]; then runs+=("$RUNS/$name")
+    else failed=1; fi
+  done
+done
+report=${RESULTS:-$RUNS/report}
+echo "== report -> $report"
+python -m eval.dose "${runs[@]}" ${FAMILY:+--family "$FAMILY"} --out "$report"
+exit $failed

@@ -1,0 +1,184 @@
+"""The dose-response report (`eval.dose`): its registered tests against independent definitions
+(exact enumeration written here as loops, Holm by hand), its summaries, and that it regenerates
+byte for byte; the launcher's published folders load."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from itertools import combinations, product
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from eval import dose
+from train.config import compose
+
+REPO = Path(__file__).resolve().parents[1]
+LENGTHS = (256, 1024, 4096)
+
+
+def _run(root: Path, design: str, steps: int, seed: int, ratios: dict[tuple[str, int], float]) -> Path:
+    """A published run folder: the study preset's config at `steps`, and ppl.json whose ppl at
+    each length is the given ratio times a base perplexity of 40 + seed."""
+    path = root / f"{design}_d{steps}_s{seed}"
+    path.mkdir(parents=True)
+    cfg = compose(["experiment=study_ppl", f"max_steps={steps}", f"seed={seed}"])
+    (path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    base = 40.0 + seed
+    rows = [{"scaling": s, "length": n, "ppl": base * ratios.get((s, n), 1.0)}
+            for s in ("none", "dynamic:8") for n in LENGTHS]
+    (path / "ppl.json").write_text(json.dumps({"meta": {"train_len": 256, "seed": seed}, "rows": rows}))
+    (path / "cost.json").write_text(json.dumps({"train_s": 100 * seed, "eval_s": 7}))
+    (path / "machine.txt").write_text("2026-12-04T00:00:00Z a CPU\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """Two designs x 3 seeds x doses 100 and 400 (a chain per seed), one top-only design."""
+    root = tmp_path_factory.mktemp("dose")
+    rng = np.random.default_rng(3)
+    values: dict[tuple[str, int, int, str], float] = {}
+    for design, doses, shift in (("origin", (100, 400), 0.3), ("coca", (100, 400), 0.1), ("alibi", (400,), 0.0)):
+        for seed in (1, 2, 3):
+            for steps in doses:
+                ratios = {}
+                for scaling in ("none", "dynamic:8"):
+                    v = 1.0 + shift * (steps / 400) + 0.05 * float(rng.standard_normal())
+                    ratios[(scaling, 4096)] = v
+                    ratios[(scaling, 1024)] = 1.0 + (v - 1.0) / 3
+                    values[(design, steps, seed, scaling)] = v
+                _run(root, design, steps, seed, ratios)
+    family = root / "dose.yaml"
+    family.write_text("""metric: ppl_ratio
+doses: [100, 400]
+alpha: 0.05
+adjust: holm
+bootstrap_resamples: 2000
+family:
+  - {test: difference, a: coca, b: origin, length: 4096, scaling: none}
+  - {test: difference, a: coca, b: origin, length: 4096, scaling: "dynamic:8"}
+  - {test: trend, a: coca, b: origin, length: 4096, scaling: none}
+  - {test: growth, design: origin, length: 4096, scaling: none}
+""")
+    return root, family, values
+
+
+def _exact_two_sample(a: list[float], b: list[float]) -> float:
+    pooled, n_a, hits, total = a + b, len(a), 0, 0
+    observed = abs(sum(a) / len(a) - sum(b) / len(b))
+    for chosen in combinations(range(len(pooled)), n_a):
+        x = [pooled[i] for i in chosen]
+        y = [pooled[i] for i in range(len(pooled)) if i not in chosen]
+        total += 1
+        hits += abs(sum(x) / len(x) - sum(y) / len(y)) >= observed - 1e-12
+    return hits / total
+
+
+def _exact_sign_flip(g: list[float]) -> float:
+    observed, hits, total = abs(sum(g) / len(g)), 0, 0
+    for signs in product((1, -1), repeat=len(g)):
+        total += 1
+        hits += abs(sum(s * v for s, v in zip(signs, g)) / len(g)) >= observed - 1e-12
+    return hits / total
+
+
+def _holm(ps: list[float]) -> list[float]:
+    order, adjusted, running = sorted(range(len(ps)), key=lambda i: ps[i]), [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def test_family_tests_are_the_definitions(study):
+    root, family_path, v = study
+    runs = [dose.load_run(p) for p in sorted(root.glob("*_d*_s*"))]
+    rows = dose.family_tests(runs, dose.load_family(family_path))
+    assert [r["test"] for r in rows] == ["difference"] * 4 + ["trend", "growth"]
+    seeds = (1, 2, 3)
+
+    def at(design, steps, scaling):
+        return [v[(design, steps, s, scaling)] for s in seeds]
+
+    want_p = []
+    for row, (steps, scaling) in zip(rows[:4], [(100, "none"), (400, "none"), (100, "dynamic:8"), (400, "dynamic:8")]):
+        a, b = at("coca", steps, scaling), at("origin", steps, scaling)
+        assert row["dose"] == steps and row["scaling"] == scaling
+        assert row["effect"] == pytest.approx(np.mean(a) - np.mean(b), abs=1e-12)
+        assert row["p"] == pytest.approx(_exact_two_sample(a, b), abs=1e-12)
+        want_p.append(row["p"])
+    g = {d: [t - lo for t, lo in zip(at(d, 400, "none"), at(d, 100, "none"))] for d in ("coca", "origin")}
+    trend, growth = rows[4], rows[5]
+    effect_top = np.mean(at("coca", 400, "none")) - np.mean(at("origin", 400, "none"))
+    effect_low = np.mean(at("coca", 100, "none")) - np.mean(at("origin", 100, "none"))
+    assert trend["effect"] == pytest.approx(effect_top - effect_low, abs=1e-12)
+    assert trend["p"] == pytest.approx(_exact_two_sample(g["coca"], g["origin"]), abs=1e-12)
+    assert growth["effect"] == pytest.approx(np.mean(g["origin"]), abs=1e-12)
+    assert growth["p"] == pytest.approx(_exact_sign_flip(g["origin"]), abs=1e-12)
+    assert growth["smallest_p"] == 2 / 2 ** 3
+    want_holm = _holm([r["p"] for r in rows])
+    assert [r["p_holm"] for r in rows] == pytest.approx(want_holm, abs=1e-12)
+    for r in rows:
+        assert r["low"] <= r["effect"] <= r["high"]
+
+
+def test_a_test_without_runs_keeps_the_family_size(study):
+    root, family_path, _ = study
+    runs = [dose.load_run(p) for p in sorted(root.glob("origin_d*_s*"))]  # no coca at all
+    rows = dose.family_tests(runs, dose.load_family(family_path))
+    assert [r["tested"] for r in rows] == [False] * 5 + [True]
+    assert rows[-1]["p_holm"] == pytest.approx(min(1.0, 6 * rows[-1]["p"]))
+
+
+def test_summary_counts_tokens_per_non_embedding_parameter(study):
+    root, _, v = study
+    run = dose.load_run(root / "origin_d400_s2")
+    assert run.tokens == 400 * 16 * 256 and run.train_len == 256
+    from model.config import count_parameters
+    from train.config import to_train_config
+    cfg = to_train_config(compose(["experiment=study_ppl"]))
+    assert run.tokens_per_param == run.tokens / count_parameters(cfg.model)["non_embedding"]
+    assert run.ratios[("none", 4096)] == pytest.approx(v[("origin", 400, 2, "none")], rel=1e-12)
+    row = next(r for r in dose.summary([dose.load_run(p) for p in root.glob("origin_d400_s*")], 500)
+               if r["scaling"] == "none" and r["length"] == 4096)
+    values = [v[("origin", 400, s, "none")] for s in (1, 2, 3)]
+    assert row["n"] == 3 and row["mean"] == pytest.approx(np.mean(values)) and row["sd"] == pytest.approx(
+        np.std(values, ddof=1))
+
+
+def test_report_regenerates_byte_for_byte_and_bad_input_is_one_line(study, tmp_path):
+    root, family_path, _ = study
+    runs = sorted(str(p) for p in root.glob("*_d*_s*"))
+    outs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        result = subprocess.run([sys.executable, "-m", "eval.dose", *runs, "--family", str(family_path),
+                                 "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        outs.append(out)
+    files = sorted(p.name for p in outs[0].iterdir() if p.suffix != ".png")
+    assert files == ["dose_cost.csv", "dose_family.csv", "dose_report.md", "dose_summary.csv", "dose_values.csv"]
+    for name in files:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    report = (outs[0] / "dose_report.md").read_text()
+    assert report.index("pre-registered family") < report.index("exploratory")
+
+    bad = tmp_path / "not_a_dose_run"
+    bad.mkdir()
+    result = subprocess.run([sys.executable, "-m", "eval.dose", str(bad), "--out", str(tmp_path / "c")], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: {bad}: a dose run's folder is named <design>_d<steps>_s<seed>"]
+
+
+def test_sign_flip_p_counts_the_observed_assignment():
+    assert dose.sign_flip_p([0.1, 0.2, 0.3]) == pytest.approx(2 / 8)
+    assert dose.sign_flip_p([0.1, -0.1]) == 1.0
+    assert math.isclose(dose.sign_flip_p([1.0] * 10), 2 / 1024)

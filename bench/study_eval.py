@@ -110,8 +110,8 @@ def timed(cmd: list[str], threads: int) -> float:
 
 def measure(run: Path, part: str) -> dict:
     overrides, scalings, threads, bar_batch = part_settings(part)
-    m = upgrade_saved(OmegaConf.load(run / "config.yaml")).model
-    if not design_of(m.attention, m.design_params).rope:
+    m = upgrade_saved(OmegaConf.to_container(OmegaConf.load(run / "config.yaml")))["model"]
+    if not design_of(m["attention"], m.get("design_params")).rope:
         scalings = "[none]"  # as launch/reproduce_study.sh
     with tempfile.TemporaryDirectory() as out:
         wall = timed([sys.executable, "-m", "eval", f"run={run}", "task=all", f"scalings={scalings}",

@@ -112,14 +112,10 @@ def design_params(values: Any) -> Any:
                            for key, value in given.items()})
 
 
-def upgrade_saved(tree: Any, model_only: bool = False) -> Any:
-    """A saved config as this schema reads it: a run config's `t_init` and `model.coca_form` (a
-    model config's `coca_form`, with `model_only`) moved into `model.design_params.coca` (`MOVED`).
-    `tree` is a dict or an OmegaConf DictConfig; a new one comes back, equal where nothing moved."""
-    from omegaconf import DictConfig, OmegaConf  # a saved run config is read as one
-
-    if isinstance(tree, DictConfig):
-        return OmegaConf.create(upgrade_saved(OmegaConf.to_container(tree), model_only))
+def upgrade_saved(tree: dict[str, Any], model_only: bool = False) -> dict[str, Any]:
+    """A saved config (plain dicts) as this schema reads it: a run config's `t_init` and
+    `model.coca_form` (a model config's `coca_form`, with `model_only`) moved into
+    `model.design_params.coca` (`MOVED`). A new dict comes back, equal where nothing moved."""
     tree = dict(tree)
     model = dict(tree if model_only else tree.get("model") or {})
     coca = {}

@@ -49,36 +49,31 @@ def _split_args(argv: list[str]) -> tuple[list[str], bool]:
     return overrides, show
 
 
-def check_world_size(cfg: TrainConfig, world_size: int) -> None:
+def check_world_size(cfg: TrainConfig, world_size: int, start=None) -> None:
     """parallel.sequence divides this many ranks and the global batch splits over the data-parallel
-    ones (a `ConfigError`, said once by rank 0, if not; for a resume whose checkpoint was trained
-    with another parallel.sequence that would split it, naming that one)."""
+    ones (a `ConfigError`, said once by rank 0, if not; for a `train.start.Start` continuing a
+    checkpoint trained with another parallel.sequence that would split it, naming that one)."""
     check_sequence(cfg.parallel.sequence, world_size)
     try:
         cfg.grad_accum(world_size // cfg.parallel.sequence)
     except ValueError as error:
-        raise ConfigError(f"{error}{_resumed_layout(cfg, world_size)}") from None
+        raise ConfigError(f"{error}{_resumed_layout(cfg, world_size, start)}") from None
 
 
-def _resumed_layout(cfg: TrainConfig, world_size: int) -> str:
+def _resumed_layout(cfg: TrainConfig, world_size: int, start) -> str:
     """The hint for a resume whose batch does not split here but did under the checkpoint's
     parallel.sequence on this many ranks ("" when there is none to give)."""
-    from train.checkpoint import CheckpointError, saved_config
-    from train.restore import checkpoint_to_resume
-
-    try:
-        ckpt = checkpoint_to_resume(cfg) if cfg.resume else None
-        trained = int(saved_config(ckpt).parallel.sequence) if ckpt is not None else None
-    except (CheckpointError, OSError, AttributeError, ValueError):
-        return ""  # the resume's own checks say what is wrong with it
-    if trained is None or trained == cfg.parallel.sequence or world_size % trained:
+    if start is None or start.written is None:
+        return ""
+    trained = start.written[1]
+    if trained == cfg.parallel.sequence or world_size % trained:
         return ""
     try:
         cfg.grad_accum(world_size // trained)
     except ValueError:
         return ""
-    return (f"; checkpoint {ckpt} was trained with parallel.sequence={trained}, which splits this batch over "
-            f"{world_size} ranks: resume with parallel.sequence={trained}")
+    return (f"; checkpoint {start.checkpoint} was trained with parallel.sequence={trained}, which splits this "
+            f"batch over {world_size} ranks: resume with parallel.sequence={trained}")
 
 
 def _compose_checked(overrides: list[str]) -> TrainConfig:
@@ -140,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     try:
-        preflight(cfg)
+        start = preflight(cfg)
     except (UserError, FileNotFoundError, ValueError) as error:
         return _say_once(error, exit_code(error), shared=True)  # every rank makes the same checks
 
@@ -153,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         dist.init()
-        check_world_size(cfg, dist.world_size())
-        return run(cfg)
+        check_world_size(start.cfg, dist.world_size(), start)
+        return run(start)
     except KeyboardInterrupt:  # SIGINT before run() takes over the signal (import, rendezvous)
         print("interrupted before training started: nothing to save", file=sys.stderr)
         return 128 + signal.SIGINT

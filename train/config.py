@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from data.cli import booleans_only, compose_tree, validated
 from data.config import DataConfig
@@ -314,4 +314,6 @@ def compose(overrides: list[str]) -> DictConfig:
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """The checked `TrainConfig` of a composed config, or of a saved one (a run's or a checkpoint's
     config.yaml: keys that moved since it was written are read where they went, `upgrade_saved`)."""
-    return validated(TrainConfig, upgrade_saved(cfg))
+    tree = OmegaConf.to_container(cfg)
+    upgraded = upgrade_saved(tree)
+    return validated(TrainConfig, cfg if upgraded == tree else OmegaConf.create(upgraded))

@@ -115,7 +115,7 @@ def _show(value: Any) -> str:
 def _saved(ckpt: Path) -> dict[str, Any]:
     """The checkpoint's config, with keys it predates at their schema defaults (keys this version
     no longer has are left out: nothing could honour them)."""
-    saved = upgrade_saved(checkpoint.saved_config(ckpt))
+    saved = OmegaConf.create(upgrade_saved(OmegaConf.to_container(checkpoint.saved_config(ckpt))))
     schema = OmegaConf.structured(TrainConfig)
     try:
         return leaves(OmegaConf.to_container(OmegaConf.merge(schema, saved), resolve=True))

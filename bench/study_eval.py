@@ -68,6 +68,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from model.config import upgrade_saved
 from model.designs import design_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,8 +110,8 @@ def timed(cmd: list[str], threads: int) -> float:
 
 def measure(run: Path, part: str) -> dict:
     overrides, scalings, threads, bar_batch = part_settings(part)
-    m = OmegaConf.load(run / "config.yaml").model
-    if not design_of(m.attention, m.get("coca_form", "slack")).rope:
+    m = upgrade_saved(OmegaConf.to_container(OmegaConf.load(run / "config.yaml")))["model"]
+    if not design_of(m["attention"], m.get("design_params")).rope:
         scalings = "[none]"  # as launch/reproduce_study.sh
     with tempfile.TemporaryDirectory() as out:
         wall = timed([sys.executable, "-m", "eval", f"run={run}", "task=all", f"scalings={scalings}",

@@ -229,6 +229,21 @@ def _field(record: object, field: str, where: str, src_name: str) -> str:
     )
 
 
+def _parquet_file(path: str, src_name: str):
+    """`pyarrow.parquet.ParquetFile` of `path` (its footer read), or a `DataError` naming the file."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as error:
+        raise _unreadable_parquet(path, src_name, error) from None
+
+
+def _unreadable_parquet(path: str, src_name: str, error: BaseException) -> DataError:
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return DataError(f"source {src_name}: {path} is not a readable parquet file ({reason}); replace or remove it")
+
+
 def _file_documents(path: str, field: str, src_name: str) -> Iterator[str]:
     """The documents of one corpus file, in file order (txt: the whole file is one document)."""
     builder = FILE_BUILDERS[Path(path).suffix]
@@ -236,15 +251,17 @@ def _file_documents(path: str, field: str, src_name: str) -> Iterator[str]:
         with open(path, encoding="utf-8", errors="replace", newline="") as f:
             yield f.read()
     elif builder == "parquet":
-        import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(path)
+        pf = _parquet_file(path, src_name)
         if field not in pf.schema_arrow.names:
             raise DataError(f"source {src_name}: {path} has no text field {field!r} "
                             f"(fields: {', '.join(pf.schema_arrow.names)}); set data.sources[].text_field")
-        for batch in pf.iter_batches(columns=[field]):
-            for text in batch.column(0).to_pylist():
-                yield _field({field: text}, field, path, src_name)
+        try:
+            for batch in pf.iter_batches(columns=[field]):
+                for text in batch.column(0).to_pylist():
+                    yield _field({field: text}, field, path, src_name)
+        except (pa.ArrowException, OSError) as error:
+            raise _unreadable_parquet(path, src_name, error) from None
     elif path.endswith(".jsonl"):
         with open(path, encoding="utf-8-sig", errors="replace") as f:
             for lineno, line in enumerate(f, 1):
@@ -347,27 +364,35 @@ def text_of(example: dict, src: SourceConfig) -> str:
 
 
 @contextlib.contextmanager
-def _located_json_errors(src: SourceConfig, split: str, cfg: DataConfig) -> Iterator[None]:
-    """A JSON file that `datasets` cannot parse, as a `DataError` naming the file and line.
+def _located_file_errors(src: SourceConfig, split: str, cfg: DataConfig) -> Iterator[None]:
+    """A JSON or parquet file that `datasets` cannot parse, as a `DataError` naming the file (and
+    the line, for JSON).
 
-    `datasets` reports only a row (and logs the file on a line of its own): the split's files are
-    read again with this module's reader, which names both, and the library's log line is held back.
+    `datasets` reports only a row or pyarrow's reason (and logs the file on a line of its own): the
+    split's files are read again with this module's reader, which names them, and the library's
+    log lines are held back.
     """
-    log = logging.getLogger("datasets.packaged_modules.json.json")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+    logs = [logging.getLogger(f"datasets.packaged_modules.{name}.{name}") for name in ("json", "parquet")]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
-    except pa.ArrowInvalid as error:
-        if src.kind != "files" or FILE_BUILDERS[Path(source_files(src, split, cfg)[0]).suffix] != "json":
+    except (pa.ArrowInvalid, DataError) as error:
+        builder = FILE_BUILDERS[Path(source_files(src, split, cfg)[0]).suffix] if src.kind == "files" else None
+        if isinstance(error, DataError) or builder not in ("json", "parquet"):
             raise
         for path in source_files(src, split, cfg):
+            if builder == "parquet":
+                _parquet_file(path, src.describe())
             for _ in _file_documents(path, src.text_field, src.describe()):
                 pass
-        raise DataError(f"source {src.describe()}: a file of split {split!r} is not valid JSON ({error}); "
-                        "fix it, or use one record per line (.jsonl)") from None
+        what = "valid JSON" if builder == "json" else "readable parquet"
+        fix = "fix it, or use one record per line (.jsonl)" if builder == "json" else "replace or remove it"
+        raise DataError(f"source {src.describe()}: a file of split {split!r} is not {what} ({error}); {fix}") from None
     finally:
-        log.setLevel(level)
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
 
 
 def check_source(src: SourceConfig, split: str, cfg: DataConfig) -> None:
@@ -377,12 +402,12 @@ def check_source(src: SourceConfig, split: str, cfg: DataConfig) -> None:
     if src.kind == "stdlib":
         source_files(src, split, cfg)  # standard-library files are never all empty
         return
-    if by_document(src):
-        docs = (text_of(e, src) for e in _read_documents(**_by_document_kwargs(src, split, cfg, seed=0, epoch=0,
-                                                                                whole=False)))
-    else:
-        docs = (text_of(e, src) for e in open_source(src, split, cfg, seed=cfg.seed))
-    with _located_json_errors(src, split, cfg):
+    with _located_file_errors(src, split, cfg):
+        if by_document(src):
+            docs = (text_of(e, src) for e in _read_documents(**_by_document_kwargs(src, split, cfg, seed=0, epoch=0,
+                                                                                    whole=False)))
+        else:
+            docs = (text_of(e, src) for e in open_source(src, split, cfg, seed=cfg.seed))
         if any(docs):
             return
     if by_document(src):

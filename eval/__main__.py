@@ -37,11 +37,19 @@ from data.tokenizer import Tokenizer
 from errors import UsageError, UserError, report_error
 from eval import report
 from eval.config import EvalConfig, Scaling, default_lengths
-from eval.sweep import applicable, default_plot_layers, sweep_attention, sweep_passkey, sweep_ppl, sweep_recall
+from eval.sweep import (
+    applicable,
+    default_plot_layers,
+    rope_request_refusal,
+    sweep_attention,
+    sweep_passkey,
+    sweep_ppl,
+    sweep_recall,
+)
 from eval.wandb_log import log_to_wandb
 from model import GPT
 from model.denormals import flush_denormals
-from train.checkpoint import find_checkpoint
+from train.checkpoint import find_checkpoint, saved_model
 from train.config import TrainConfig, setup_id
 from train.load import check_device, load_model
 
@@ -115,6 +123,9 @@ def open_session(cfg: EvalConfig) -> Session:
     check_dir(out, "out_dir")
     check_sources_listed(cfg)
     ckpt = find_checkpoint(run)
+    refusal = rope_request_refusal(cfg.model.rope_scaling.type, cfg.model.rope_scaling.factor, saved_model(ckpt))
+    if refusal:
+        raise EvalError(refusal)
     model, train_cfg, tokenizer = load_model(str(ckpt), device=cfg.device)
     m = train_cfg.model
     data = dataclasses.replace(train_cfg.data, sources=list(cfg.sources) or train_cfg.data.sources)
@@ -125,7 +136,7 @@ def open_session(cfg: EvalConfig) -> Session:
         "run": str(run),
         "label": m.design.label,
         "attention": m.attention,
-        "coca_form": m.design.coca_form,
+        "coca_form": m.design.form,  # the results' name for it (model.design_params.coca.form)
         "train_len": m.max_seq_len,
         "n_layer": m.n_layer,
         "n_embd": m.n_embd,

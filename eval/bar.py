@@ -63,8 +63,8 @@ class BarProgress:
 
 
 def read_progress(path: Path) -> BarProgress | None:
-    """The table `bench.passkey_progress` wrote, or None where the file is missing or holds no row;
-    a file that is not text is one `DataError` naming it."""
+    """The table `bench.passkey_progress` wrote, or None where the file is missing; a file that is
+    not text or holds no row of the table (empty, cut off) is one `DataError` naming it."""
     if not path.is_file():
         return None
     try:
@@ -73,7 +73,8 @@ def read_progress(path: Path) -> BarProgress | None:
         raise DataError(f"{path} is not a text file ({error.reason} at byte {error.start})") from None
     rows = sorted((int(m.group(1)), float(m.group(2))) for m in map(_ROW.match, text.splitlines()) if m)
     if not rows:
-        return None
+        raise DataError(f"{path} holds no row of the passkey progress table (empty or cut off): write it again "
+                        "with `python -m bench.passkey_progress`")
     return BarProgress(tuple(step for step, _ in rows), tuple(score for _, score in rows))
 
 

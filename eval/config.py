@@ -37,7 +37,7 @@ class Scaling:
     def parse(cls, text: str) -> Scaling:
         """`none`, `dynamic:4`, `linear:2.5`, `dynamic:8+temp` ... (`model.config.parse_scaling`)."""
         rope, temperature = (text[: -len(TEMPERATURE)], True) if text.endswith(TEMPERATURE) else (text, False)
-        scaling = parse_scaling(rope)
+        scaling = parse_scaling(rope or "none")  # `+temp`: the temperature alone
         return cls(scaling.type, scaling.factor, temperature)
 
 

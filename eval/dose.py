@@ -93,7 +93,7 @@ def load_run(path: Path, pattern: re.Pattern = RUN_NAME) -> DoseRun:
     steps = int(match.group("dose")) if "dose" in pattern.groupindex else cfg.max_steps
     design = match.group("design")
     if design not in DESIGNS:
-        design = design_of(cfg.model.attention, getattr(cfg.model, "coca_form", "slack")).key
+        design = design_of(cfg.model.attention, cfg.model.design_params).key
     return DoseRun(design, steps, int(match.group("seed")), cfg.model.max_seq_len,
                    steps * cfg.batch_size * cfg.model.max_seq_len, count_parameters(cfg.model)["non_embedding"],
                    ratios, cost, machine[-1] if machine else "")

@@ -1,14 +1,17 @@
 """The RoPE-scaling sweep: every task run under each scaling on one loaded model.
 
 Scaling is switched in place with `model.set_rope_scaling` (no reload, no retraining) and put back
-to the trained setting afterwards. A design without RoPE (ALiBi) takes only `none`: other scalings
-are skipped with a note that ends up in the report.
+to the trained setting afterwards. A design without RoPE (ALiBi) takes none of a sweep's RoPE
+scalings: they are skipped with a note that ends up in the report, and their length temperature
+(`dynamic:8+temp`) is kept (`none+temp`). A single scaling asked for (`model.rope_scaling`) that the
+design cannot take is refused, as generate's and the exporter's `rope_scaling=` are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -19,19 +22,34 @@ from eval.config import Scaling
 from eval.passkey import score_cases
 from eval.perplexity import evaluate_perplexity
 from eval.recall import score_recall
-from model import Design
+from model import Design, ModelConfig
 
 
 def applicable(scalings: Sequence[Scaling], design: Design) -> tuple[list[Scaling], list[str]]:
-    """The scalings that apply to this design, and notes about the ones skipped."""
+    """The scalings as this design takes them, and notes about what was skipped: without RoPE, each
+    scaling's RoPE part is dropped and its length temperature kept (`dynamic:8+temp` -> `none+temp`),
+    each setting once."""
     if design.rope:
         return list(scalings), []
-    kept = [s for s in scalings if s.type == "none"]  # with or without the temperature
+    kept = list(dict.fromkeys(Scaling("none", 1.0, s.temperature) for s in scalings))
     skipped = [s.label for s in scalings if s.type != "none"]
     notes = [f"{design.name} has no RoPE: scaling {', '.join(skipped)} skipped"] if skipped else []
-    if not kept:
-        kept, notes = [Scaling("none")], notes + ["evaluated without scaling instead"]
+    instead = [s.label for s in kept if s not in scalings]
+    if instead:
+        notes.append(f"evaluated as {', '.join(instead)} instead")
     return kept, notes
+
+
+def rope_request_refusal(requested: str | None, factor: float, model: ModelConfig) -> str | None:
+    """Why the run's model cannot take `model.rope_scaling` (type `requested`, None: as trained), in
+    one line naming the key (`ModelConfig`'s own check, as generate and the exporter meet it)."""
+    if requested is None:
+        return None
+    try:
+        replace(model, rope_scaling=replace(model.rope_scaling, type=requested, factor=factor))
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Write a trained model as a self-contained Hugging Face model directory (`export_hf`).
 
 The directory holds `config.json`, `model.safetensors` (our parameters under GPT-NeoX's names for
-arch=neox, Llama's for arch=llama: `hf.names`), `generation_config.json`, the tokenizer, and the
+arch=neox, the head `embed_out.weight` as GPTNeoXForCausalLM's checkpoints name it, Llama's for
+arch=llama: `hf.names`), `generation_config.json`, the tokenizer, and the
 marker `coca_lm_export.json` listing these files. The tokenizer is the run's: our SentencePiece
 model written as a `tokenizer.json` that `AutoTokenizer` loads (standard `PreTrainedTokenizerFast`,
 same ids as `data.tokenizer.Tokenizer`), or, for a run that trained with a Hugging Face tokenizer
@@ -107,7 +108,7 @@ def token_ids(tokenizer: Tokenizer | HFTokenizer) -> dict[str, int | None]:
 def hf_config(m: ModelConfig, tokenizer: Tokenizer | HFTokenizer) -> dict:
     """config.json: for Origin (`native_hf`) a plain GPT-NeoX or Llama config (`m.arch`), with the
     pre-5.0 names of the RoPE fields too, for older transformers; for the others a `coca_lm` config,
-    which adds `arch`, `attention`, `coca_form` and the `auto_map` naming the remote code."""
+    which adds `arch`, `attention`, `design_params` and the `auto_map` naming the remote code."""
     config = {
         "vocab_size": m.vocab_size, "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
         "num_attention_heads": m.n_head, "intermediate_size": m.ffn_hidden, **_architecture(m),
@@ -137,13 +138,13 @@ def _block(m: ModelConfig) -> dict:
 
 
 def _remote_config(m: ModelConfig, config: dict) -> dict:
-    """The `coca_lm` config: the design (attention, coca_form, its parameters), the length
+    """The `coca_lm` config: the design (attention, its parameters: CoCA's form among them), the length
     temperature's L0 (0: off) and the `auto_map` naming the remote code."""
     if not m.design.rope:
         del config["rope_parameters"]
     params = {} if m.params is None else dataclasses.asdict(m.params)
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
-            "attention": m.attention, "coca_form": m.coca_form, "design_params": params,
+            "attention": m.attention, "design_params": params,
             "length_temperature": m.max_seq_len if m.length_temperature else 0, **config, **_block(m),
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
@@ -257,7 +258,8 @@ def export_hf(model: GPT, tokenizer: Tokenizer | HFTokenizer, out: str | Path, *
     tmp.mkdir()
     try:
         (tmp / "config.json").write_text(json.dumps(hf_config(m, tokenizer), indent=2) + "\n")
-        save_file(hf_state_dict(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(hf_state_dict(model, neox_checkpoint=native(m)), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         # safetensors >= 0.8 writes through a temporary file created 0600, whatever the umask
         # (safetensors issue #782): give it the mode config.json got, as every other file here.
         os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
@@ -324,3 +326,12 @@ def check_out(out: Path, overwrite: bool) -> None:
     if foreign:
         raise ExportError(f"out={out} is a previous export but also holds {', '.join(foreign[:3])}, which "
                           "the export did not write: move them away or give out= another directory")
+
+
+if __name__ == "__main__":  # `python -m hf.export`: this is the library; the command is train's
+    import sys
+
+    from errors import UsageError, report_error
+
+    sys.exit(report_error(UsageError("hf.export is the exporter's library: export a run with "
+                                     "python -m train.export_hf run=<run or checkpoint> out=<dir>")))

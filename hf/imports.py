@@ -9,7 +9,8 @@ transformers model is built: the config is read as JSON, the tensors with `safet
 - `LlamaForCausalLM` (`model_type: llama`): arch=llama, Origin attention, grouped-query attention
   (`num_key_value_heads`), RMSNorm eps.
 - this project's exports (`hf.export`): Origin ones are one of the above; the other designs' are
-  `model_type: coca_lm` with `arch`, `attention` and `coca_form`.
+  `model_type: coca_lm` with `arch`, `attention` and `design_params` (an export made before
+  CoCA's form joined `design_params` says `coca_form`: read as `design_params.form`).
 
 Read from config.json: the sizes, heads and kv heads, `vocab_size` (the embedding's rows, often
 padded beyond the tokenizer), the RoPE base (`rope_theta` in `rope_parameters` as transformers 5
@@ -53,6 +54,8 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # The RoPE fields each type may carry (the ones our RoPE computes, as hf.export writes them).
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings"}
 _TYPE_KEYS = {"yarn": {"beta_fast", "beta_slow"}, "llama3": {"low_freq_factor", "high_freq_factor"}}
+# What a type cannot do without, as transformers' validation of `rope_parameters` requires it.
+_TYPE_REQUIRED = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _BUFFERS = re.compile(r"(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")  # not parameters
 # transformers' defaults for fields a config.json may leave out (GPTNeoXConfig, LlamaConfig).
 _DEFAULTS = {
@@ -66,7 +69,7 @@ _ACTIVATION = {"neox": "gelu", "llama": "silu"}
 # What of a run's model config a directory fixes (its weights mean nothing under another value),
 # and what the run may set (the training length and the RoPE recipes of continued pretraining: a
 # scaling, a larger base as in ABF; from the directory by default), as `init_from` a checkpoint.
-FIXED = ("arch", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "attention", "coca_form",
+FIXED = ("arch", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "attention",
          "rotary_pct", "parallel_residual", "layernorm_eps", "tie_embeddings")
 DEFAULTED = ("max_seq_len", "rope_scaling", "rope_base", "design_params")
 _MODEL_DEFAULTS = {f.name: getattr(ModelConfig(), f.name) for f in fields(ModelConfig)}
@@ -157,6 +160,11 @@ def _rope(config: dict, arch: str, where: str, max_positions: int) -> tuple[floa
     factor = scaling.get("factor")
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1.0:
         raise HFImportError(f"{where}: {field}.factor={json.dumps(factor)} must be a number >= 1 for RoPE type {kind}")
+    missing = [key for key in _TYPE_REQUIRED.get(kind, ()) if scaling.get(key) is None]
+    if missing:
+        raise HFImportError(f"{where}: {field} of RoPE type {kind} lacks {', '.join(missing)} (transformers "
+                            "refuses it too): give them, e.g. Llama 3.1's low_freq_factor 1.0, high_freq_factor 4.0 "
+                            "and the length it was pretrained at")
     extras: dict[str, Any] = {}
     if kind in _TYPE_KEYS:
         extras = {k: float(scaling[k]) for k in _TYPE_KEYS[kind] if scaling.get(k) is not None}
@@ -179,10 +187,12 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
     if arch not in _DEFAULTS:
         raise _refuse(where, "arch", arch, "one of neox, llama")
     defaults = _DEFAULTS[arch]
-    attention, coca_form, design = "origin", "slack", {}
-    if model_type == "coca_lm":
-        attention, coca_form = config.get("attention", "origin"), config.get("coca_form", "slack")
-        design = dict(design_params={attention: config["design_params"]} if config.get("design_params") else {},
+    attention, design = "origin", {}
+    if model_type == "coca_lm":  # an export from before CoCA's form joined design_params says coca_form
+        attention = config.get("attention", "origin")
+        params = {**({"form": config["coca_form"]} if "coca_form" in config else {}),
+                  **(config.get("design_params") or {})}
+        design = dict(design_params={attention: params} if params else {},
                       length_temperature=bool(config.get("length_temperature")))
     activation = config.get("hidden_act", defaults["hidden_act"])
     if activation != _ACTIVATION[arch]:
@@ -214,7 +224,7 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
     try:
         return ModelConfig(
             arch=arch, **sizes, n_head=heads, n_kv_head=None if kv == heads else kv, n_embd=hidden,
-            max_seq_len=max_positions, attention=attention, coca_form=coca_form, **design, rotary_pct=pct,
+            max_seq_len=max_positions, attention=attention, **design, rotary_pct=pct,
             rope_base=base,
             rope_scaling=scaling, parallel_residual=parallel if arch == "neox" else False, layernorm_eps=eps,
             tie_embeddings=_get(config, "tie_word_embeddings", bool, where, False),
@@ -225,7 +235,8 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
 
 def _our_names(cfg: ModelConfig, present: set[str]) -> dict[str, str]:
     """Our parameter name -> its tensor's name in the directory. GPT-NeoX checkpoints call the LM
-    head `embed_out` (transformers renames it on load); ours are exported as `lm_head`."""
+    head `embed_out` (transformers renames it on load), as our plain GPT-NeoX exports do; our
+    remote-code exports call it `lm_head`."""
     names = llama_hf_names(cfg) if cfg.arch == "llama" else hf_names(cfg)
     if cfg.arch == "neox" and "lm_head.weight" in names and "lm_head.weight" not in present:
         names["lm_head.weight"] = "embed_out.weight"
@@ -341,16 +352,15 @@ def combine(source: ModelConfig, requested: ModelConfig, where: str) -> ModelCon
     """The model config of a run whose weights come from `source` (a directory's, `where`), given
     the composed `requested` one. The fields in `FIXED` are the source's, and a requested value
     that is not the schema's default and disagrees is refused (`ConfigError`, exit 2: the weights
-    fix it), but for `attention` and `coca_form`: another attention converts the weights
-    (`model.convert`: Origin to CoCA or ALiBi; any other is refused there). `max_seq_len`,
-    `rope_scaling` and `rope_base` are the requested ones where set (not the default), else the
-    source's; every other field (activation checkpointing, document masking, init_std) is the
+    fix it), but for `attention`: another attention converts the weights (`model.convert`: from
+    Origin into a design whose record allows it; any other is refused there). `max_seq_len`,
+    `rope_scaling`, `rope_base` and `design_params` (CoCA's form among them) are the requested ones
+    where set (not the default), else the source's; every other field (activation checkpointing,
+    document masking, init_std) is the
     requested one. A value equal to the default cannot be told from no override: it reads as none
     (the composed config keeps no trace of the command line)."""
     attention = requested.attention if requested.attention != _MODEL_DEFAULTS["attention"] else source.attention
-    same_form = source.coca_form if source.attention == "coca" else _MODEL_DEFAULTS["coca_form"]
-    form = requested.coca_form if requested.coca_form != _MODEL_DEFAULTS["coca_form"] else same_form
-    chosen = {"attention": attention, "coca_form": form}  # another attention converts the weights
+    chosen = {"attention": attention}  # another attention converts the weights
     for name in FIXED:
         if name in chosen:
             continue
@@ -370,5 +380,14 @@ def combine(source: ModelConfig, requested: ModelConfig, where: str) -> ModelCon
         combined = replace(requested, **{**{name: getattr(source, name) for name in FIXED}, **chosen})
     except ValueError as error:
         raise ConfigError(f"{error} (with the model of {where})") from None
-    check_conversion(source, combined)  # only Origin converts, to CoCA or ALiBi (`model.convert`)
+    check_conversion(source, combined)  # only Origin converts, as the target's record allows (`model.convert`)
     return combined
+
+
+if __name__ == "__main__":  # `python -m hf.imports`: this is the library; a run imports with init_from
+    import sys
+
+    from errors import UsageError, report_error
+
+    sys.exit(report_error(UsageError("hf.imports is the importer's library: train from a Hugging Face "
+                                     "directory with python -m train init_from=<dir> [model.attention=...]")))

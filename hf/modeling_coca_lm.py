@@ -60,8 +60,8 @@ class CocaLMConfig(PreTrainedConfig):
 
     arch: neox (GPT-NeoX: biases, exact GELU, parallel residual by default) | llama (RMSNorm, SwiGLU,
     grouped-query attention with num_key_value_heads heads, no biases). layer_norm_eps is every
-    norm's eps. attention: the design (coca-lm's `model.attention`: alibi, coca, ...); coca_form: slack |
-    strict (CoCA's); design_params: the design's parameters (coca-lm's `model.design_params.<key>`);
+    norm's eps. attention: the design (coca-lm's `model.attention`: alibi, coca, ...); design_params:
+    the design's parameters (coca-lm's `model.design_params.<attention>`: CoCA's form among them);
     length_temperature: the training length L0 of the length temperature, 0 when off (query i's
     scores times max(1, log(i + 1) / log(L0))). max_position_embeddings is the training length L0,
     which dynamic NTK scales from. rope_parameters (designs with RoPE only): rope_type
@@ -85,7 +85,6 @@ class CocaLMConfig(PreTrainedConfig):
         layer_norm_eps: float = 1e-5,
         use_parallel_residual: bool = True,
         attention: str = "coca",
-        coca_form: str = "slack",
         rope_parameters: dict | None = None,
         tie_word_embeddings: bool = False,
         use_cache: bool = True,
@@ -93,7 +92,7 @@ class CocaLMConfig(PreTrainedConfig):
         length_temperature: int = 0,
         **kwargs,
     ):
-        design = design_of(attention, coca_form)
+        design = design_of(attention, {attention: design_params or {}})
         if design.native_hf and not length_temperature:
             raise ValueError(f"attention={attention!r} exports as its architecture's own class, not coca_lm")
         if design_params and design.params is None:
@@ -113,7 +112,6 @@ class CocaLMConfig(PreTrainedConfig):
         self.layer_norm_eps = layer_norm_eps
         self.use_parallel_residual = use_parallel_residual
         self.attention = attention
-        self.coca_form = coca_form
         self.design_params = dict(design_params or {})
         if design.params is not None:
             design.params(**self.design_params)  # checks the values, naming the field
@@ -129,13 +127,18 @@ UNSCALED = {"rope_type": "default", "rope_theta": 10000.0}
 LAYOUT = {"neox": ("gpt_neox", "embed_in"), "llama": ("model", "embed_tokens")}
 
 
+def _design(config: CocaLMConfig):
+    """The design (its registry record) the config selects: its attention and parameters' form."""
+    return design_of(config.attention, {config.attention: config.design_params})
+
+
 def check_rope_parameters(config: CocaLMConfig) -> None:
     """Refuse a RoPE scaling on a design without RoPE (ALiBi), as coca-lm does: it would be accepted
     and change nothing. Checked when the config is made and again when a model is built from it
     (the README's recipe assigns `config.rope_parameters` after loading the config)."""
     p = config.rope_parameters or UNSCALED
     scaled = p.get("rope_type", "default") != "default" or float(p.get("factor") or 1.0) != 1.0
-    design = design_of(config.attention, config.coca_form)
+    design = _design(config)
     if not design.rope and (scaled or float(p.get("rope_theta", 10000.0)) != 10000.0):
         raise ValueError(f"rope_parameters={p} on an {design.name} model: {design.name} has no RoPE to scale; "
                          "leave rope_parameters unset")
@@ -169,7 +172,7 @@ def rope_from_config(config: CocaLMConfig) -> Rope:
                           float(p.get("low_freq_factor") or 1.0), float(p.get("high_freq_factor") or 4.0))
     head_dim = config.hidden_size // config.num_attention_heads
     rotary_dims = int(head_dim * p.get("partial_rotary_factor", 1.0))
-    design = design_of(config.attention, config.coca_form)
+    design = _design(config)
     pairs = None if design.rotating_pairs is None else design.rotating_pairs(design_params(config), rotary_dims // 2)
     return Rope(rotary_dims, float(p.get("rope_theta", 10000.0)),
                 p.get("original_max_position_embeddings") or config.max_position_embeddings, scaling, pairs)
@@ -177,7 +180,7 @@ def rope_from_config(config: CocaLMConfig) -> Rope:
 
 def design_params(config: CocaLMConfig):
     """The design's parameters (its dataclass) from `config.design_params`, or None."""
-    design = design_of(config.attention, config.coca_form)
+    design = _design(config)
     return None if design.params is None else design.params(**config.design_params)
 
 
@@ -250,7 +253,7 @@ class CocaLMAttention(nn.Module):
         self.layer_idx = layer_idx
         self.n_head = config.num_attention_heads
         self.head_dim = config.hidden_size // config.num_attention_heads
-        self.design = design_of(config.attention, config.coca_form).layer(
+        self.design = _design(config).layer(
             design_params(config), layer_idx, config.num_hidden_layers)
         self.fused = config.arch == "neox"
         width = config.hidden_size
@@ -403,7 +406,7 @@ class CocaLMModel(CocaLMPreTrainedModel):
         else:
             self.embed_in, self.final_layer_norm = embedding, norm_layer(config)
         check_rope_parameters(config)
-        self.rope = rope_from_config(config) if design_of(config.attention, config.coca_form).rope else None
+        self.rope = rope_from_config(config) if _design(config).rope else None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:

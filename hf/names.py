@@ -71,9 +71,18 @@ def llama_hf_names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+# GPTNeoXForCausalLM's checkpoints name its LM head so (Pythia's and transformers' own
+# `save_pretrained`: transformers 5 calls the module `lm_head` and renames the tensor on load).
+NEOX_CHECKPOINT_HEAD = "embed_out.weight"
+
+
+def hf_state_dict(model: GPT, *, neox_checkpoint: bool = False) -> dict[str, torch.Tensor]:
     """Our parameters under their Hugging Face names (GPT-NeoX's for arch=neox, Llama's for
-    arch=llama: the plain export's and the remote-code model's alike), as contiguous fp32 copies."""
+    arch=llama: the plain export's and the remote-code model's alike), as contiguous fp32 copies;
+    with `neox_checkpoint` (a plain GPTNeoXForCausalLM export), the head under the name its
+    checkpoints give it, `embed_out.weight`, so that every loader of them finds it."""
     names = llama_hf_names(model.cfg) if model.cfg.arch == "llama" else hf_names(model.cfg)
+    if neox_checkpoint and model.cfg.arch == "neox" and "lm_head.weight" in names:
+        names["lm_head.weight"] = NEOX_CHECKPOINT_HEAD
     ours = dict(model.named_parameters(remove_duplicate=False))
     return {theirs: ours[name].detach().to(torch.float32).contiguous().clone() for name, theirs in names.items()}

@@ -79,7 +79,7 @@ pilot_run() {  # name recipe [overrides...]
 if [ ! -f "$OUT/pilot.json" ]; then
   pilots=()
   for arm in $ARMS; do
-    if [ "$arm" = dropin_coca ]; then pilots+=("dropin_from_k dropin_coca t_init=from_k" "dropin_fresh dropin_coca t_init=fresh")
+    if [ "$arm" = dropin_coca ]; then pilots+=("dropin_from_k dropin_coca model.design_params.coca.t_init=from_k" "dropin_fresh dropin_coca model.design_params.coca.t_init=fresh")
     else pilots+=("$arm $arm"); fi
   done
   for item in "${pilots[@]}"; do
@@ -99,7 +99,7 @@ echo "== budget $BUDGET steps, t_init $T_INIT ($OUT/pilot.md)"
 one_run() {  # arm seed
   local arm=$1 seed=$2 run_dir="$RUNS/$1_s$2" published="${RESULTS:+$RESULTS/$1_s$2}" extra=() lengths scalings
   if [ -n "$published" ] && [ -f "$published/DONE" ]; then return 0; fi
-  if [ "$arm" = dropin_coca ]; then extra=(t_init="$T_INIT"); fi
+  if [ "$arm" = dropin_coca ]; then extra=(model.design_params.coca.t_init="$T_INIT"); fi
   train "$run_dir" "$seed" $((100 + seed)) "$arm" max_steps="$BUDGET" eval_every=$((BUDGET / 2)) \
     ckpt_every=$((BUDGET / 2)) keep_last=1 "${extra[@]}" || return $?
   case $arm in

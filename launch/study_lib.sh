@@ -12,8 +12,7 @@ from model.designs.registry import DESIGNS
 design = DESIGNS.get(sys.argv[1])
 if design is None:
     sys.exit("error: unknown design " + sys.argv[1] + " (one of: " + ", ".join(DESIGNS) + ")")
-for key, value in design.settings().items():
-    print("model." + key + "=" + value)' "$1"
+print("\n".join(design.overrides()))' "$1"
 }
 
 scalings_of() {  # design: the RoPE scalings it is evaluated with (as trained only without RoPE)

@@ -35,7 +35,13 @@ fi
 # torchrun would set 1 thread per rank; CPU ranks train much faster with their share of the cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NPROC_PER_NODE > 0 ? $(nproc) / NPROC_PER_NODE : 1 ))}
 
-setsid torchrun "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" -m train "$@" &
+# torchrun's stderr passes through a filter that folds its own failure report (a rank's error is
+# one line: launch/fold_torchrun_report.awk) and records the failed rank's exit code for ours. The
+# filter ignores the stop signals (it is in our process group): it ends when the ranks' output does.
+root_cause=$(mktemp)
+trap 'rm -f "$root_cause"' EXIT
+setsid torchrun "${rendezvous[@]}" --nproc_per_node "$NPROC_PER_NODE" -m train "$@" \
+  2> >(trap '' INT TERM HUP; exec awk -v codefile="$root_cause" -f launch/fold_torchrun_report.awk >&2) &
 launcher=$!
 stop_signal=0
 
@@ -58,5 +64,10 @@ while :; do
 done
 if (( status != 0 && stop_signal )); then
   exit $(( 128 + stop_signal ))  # torchrun reports its stopped ranks as a failure (exit 1)
+fi
+if (( status != 0 )); then  # the failed rank's own status (2: a refused setting), once the filter is done
+  for _ in $(seq 50); do [[ -s "$root_cause" ]] && break; sleep 0.1; done
+  code=$(cat "$root_cause" 2>/dev/null || true)
+  if [[ "$code" =~ ^[0-9]+$ ]] && (( code > 0 && code < 256 )); then exit "$code"; fi
 fi
 exit "$status"

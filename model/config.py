@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Optional
 
-from .designs import ATTENTIONS, COCA_FORMS, DESIGNS, Design, design_of
+from .designs import ATTENTIONS, DESIGNS, Design, design_of
 
 ARCHS = ("neox", "llama")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
@@ -84,12 +84,19 @@ def parse_scaling(spec: str) -> RopeScaling:
     return RopeScaling(kind, value)
 
 
-# `model.design_params.<key>.<name>`: one field per design that has parameters, holding its own
-# dataclass of them (`Design.params`), so that Hydra type-checks an override and each design's
-# defaults are its record's. Generated from the registry: a new design adds no field here.
-DesignParams = make_dataclass(
-    "DesignParams", [(key, d.params, field(default_factory=d.params)) for key, d in DESIGNS.items() if d.params])
+# `model.design_params.<attention>.<name>`: one field per design that has parameters (the forms of
+# one attention, CoCA's slack and strict, share theirs), holding its own dataclass of them
+# (`Design.params`), so that Hydra type-checks an override and each design's defaults are its
+# record's. Generated from the registry: a new design adds no field here.
+_SECTIONS = {d.attention: d.params for d in DESIGNS.values() if d.params}
+DesignParams = make_dataclass("DesignParams", [(key, params, field(default_factory=params))
+                                               for key, params in _SECTIONS.items()])
 DesignParams.__module__ = __name__  # picklable and printable as model.config.DesignParams
+
+# Keys this schema had before CoCA's parameters joined `design_params` (its last own fields), and
+# where they went. A saved config (a run's config.yaml, a checkpoint's, an export's config.json) is
+# read with them moved (`upgrade_saved`); a new override naming one is refused (`legacy_override`).
+MOVED = {"model.coca_form": "model.design_params.coca.form", "t_init": "model.design_params.coca.t_init"}
 
 
 def design_params(values: Any) -> Any:
@@ -101,8 +108,52 @@ def design_params(values: Any) -> Any:
     if unknown:
         raise ValueError(f"model.design_params.{unknown[0]}: no design with parameters has that key; "
                          f"those that have: {', '.join(DesignParams.__dataclass_fields__) or 'none'}")
-    return DesignParams(**{key: DESIGNS[key].params(**value) if isinstance(value, dict) else value
+    return DesignParams(**{key: _SECTIONS[key](**value) if isinstance(value, dict) else value
                            for key, value in given.items()})
+
+
+def upgrade_saved(tree: dict[str, Any], model_only: bool = False) -> dict[str, Any]:
+    """A saved config (plain dicts) as this schema reads it: a run config's `t_init` and
+    `model.coca_form` (a model config's `coca_form`, with `model_only`) moved into
+    `model.design_params.coca` (`MOVED`). A new dict comes back, equal where nothing moved."""
+    tree = dict(tree)
+    model = dict(tree if model_only else tree.get("model") or {})
+    coca = {}
+    if "coca_form" in model:
+        coca["form"] = model.pop("coca_form")
+    if not model_only and "t_init" in tree:
+        coca["t_init"] = tree.pop("t_init")
+    if not coca:
+        return tree
+    params = dict(model.get("design_params") or {})
+    params["coca"] = {**coca, **dict(params.get("coca") or {})}
+    model["design_params"] = params
+    return model if model_only else {**tree, "model": model}
+
+
+def unselected_params(cfg: ModelConfig) -> str | None:
+    """The one-line refusal of a parameter set (away from its default) for a design the config does
+    not select, e.g. `model.design_params.prope.p=0.5` with `model.attention=origin`, or None. Checked
+    where a run's config is given (`python -m train`), not where one is read: nothing reads it."""
+    for section, params in _SECTIONS.items():
+        if section == cfg.attention:
+            continue
+        given, default = getattr(cfg.design_params, section), params()
+        changed = [f"model.design_params.{section}.{name}={getattr(given, name)}"
+                   for name in default.__dataclass_fields__ if getattr(given, name) != getattr(default, name)]
+        if changed:
+            return (f"{', '.join(changed)}: a parameter of attention={section}, but model.attention="
+                    f"{cfg.attention} does not read it; drop it, or set model.attention={section}")
+    return None
+
+
+def legacy_override(overrides: list[str]) -> str | None:
+    """The one-line refusal of a command-line override naming a key that moved (`MOVED`), or None."""
+    for override in overrides:
+        key = override.lstrip("+~").partition("=")[0]
+        if key in MOVED:
+            return f"{key} is now {MOVED[key]} (CoCA's parameters live in model.design_params.coca)"
+    return None
 
 
 @dataclass
@@ -114,10 +165,11 @@ class ModelConfig:
           attention, sequential residual and full rotary, which it requires).
     n_kv_head: key/value heads (llama only), dividing n_head; null: n_head (multi-head attention),
           1: multi-query attention. Query head h uses kv head h // (n_head / n_kv_head).
-    attention: the design, a key of the registry (`model.designs.registry`; origin is RoPE);
-          coca_form: CoCA's form, slack (released code) | strict (Eq. 9).
-    design_params: each design's parameters, `design_params.<key>.<name>` (only the selected
-          design's are read: `ModelConfig.params`).
+    attention: the design (`model.designs.registry`; origin is RoPE); CoCA's form, slack (released
+          code) | strict (Eq. 9), is its parameter `design_params.coca.form`.
+    design_params: each design's parameters, `design_params.<attention>.<name>` (only the selected
+          design's are read: `ModelConfig.params`; a value set for another is refused where a
+          run's config is checked: `unselected_params`).
     length_temperature: query i's dot-product scores are multiplied by max(1, log(i + 1) / log(L0)),
           L0 = max_seq_len, i counted from the document start under doc_positions.
     max_seq_len: the training length (dynamic NTK and YaRN scale relative to it, or to
@@ -137,7 +189,6 @@ class ModelConfig:
     ffn_hidden: int = 1024
     max_seq_len: int = 128
     attention: str = "origin"
-    coca_form: str = "slack"
     design_params: DesignParams = field(default_factory=DesignParams)
     length_temperature: bool = False
     rotary_pct: float = 1.0
@@ -159,7 +210,6 @@ class ModelConfig:
             _positive(f"model.{name}", getattr(self, name))
         _one_of("model.arch", self.arch, ARCHS)
         _one_of("model.attention", self.attention, ATTENTIONS)
-        _one_of("model.coca_form", self.coca_form, COCA_FORMS)
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}"
@@ -218,12 +268,12 @@ class ModelConfig:
     @property
     def design(self) -> Design:
         """The attention design this config selects (`model.designs.registry`)."""
-        return design_of(self.attention, self.coca_form)
+        return design_of(self.attention, self.design_params)
 
     @property
     def params(self) -> Any:
         """The selected design's parameters (its `Design.params` dataclass), or None."""
-        return getattr(self.design_params, self.design.key, None)
+        return getattr(self.design_params, self.attention, None)
 
     def layer_design(self, index: int) -> Design:
         """The design layer `index` runs (`Design.for_layer`: a design whose layers differ)."""

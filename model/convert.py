@@ -6,9 +6,9 @@ of NeoX's fused `qkv`, the same `attn.k` of Llama), and ALiBi uses K as it is. S
 keeps every tensor and decides only what T starts from:
 
     origin -> coca (slack | strict)   embeddings, norms, Q, V, output projection, MLP, LM head kept;
-                                      T = K (`t_init: from_k`) or drawn afresh as the model's
-                                      initialisation draws K (`t_init: fresh`, what the released
-                                      code gets through `ignore_mismatched_sizes`)
+                                      T = K (`design_params.coca.t_init: from_k`) or drawn afresh
+                                      as the model's initialisation draws K (`t_init: fresh`, what
+                                      the released code gets through `ignore_mismatched_sizes`)
     origin -> alibi                   everything kept; the rotary embedding is simply not applied
     origin -> kerple | fire | fox     everything kept, the rotary embedding not applied, and the
                                       design's bias parameters (KERPLE's r1, r2, FIRE's MLP, c, L,
@@ -34,8 +34,6 @@ from .config import ModelConfig
 from .designs import DESIGNS
 from .designs.origin import ORIGIN
 
-T_INITS = ("from_k", "fresh")
-
 
 class ConversionError(ConfigError):
     """A conversion that cannot make sense; one line that says why (a usage error: exit 2)."""
@@ -53,10 +51,8 @@ class Conversion:
         return f"{len(self.carried)} tensors carried{fresh}"
 
 
-def check_conversion(source: ModelConfig, target: ModelConfig, t_init: str = "from_k") -> None:
+def check_conversion(source: ModelConfig, target: ModelConfig) -> None:
     """Refuse, in one line, a conversion that cannot make sense."""
-    if t_init not in T_INITS:
-        raise ConversionError(f"t_init={t_init!r} is not one of {', '.join(T_INITS)}")
     if source.attention == target.attention:
         return
     if source.design is not ORIGIN or target.design.from_origin is None:
@@ -64,7 +60,7 @@ def check_conversion(source: ModelConfig, target: ModelConfig, t_init: str = "fr
         raise ConversionError(
             f"cannot convert attention={source.attention} into attention={target.attention}: only Origin (RoPE) "
             f"models convert, into {into} (coca: its T starts from K; the others keep K)")
-    unchanged = replace(target, attention=source.attention, coca_form=source.coca_form)
+    unchanged = replace(target, attention=source.attention, design_params=source.design_params)
     for name in ("arch", "vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "kv_heads", "tie_embeddings",
                  "parallel_residual", "rotary_pct"):
         if getattr(unchanged, name) != getattr(source, name):
@@ -72,17 +68,23 @@ def check_conversion(source: ModelConfig, target: ModelConfig, t_init: str = "fr
                                   f"{getattr(source, name)}, the target {getattr(unchanged, name)}")
 
 
-def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig, t_init: str = "from_k",
+def t_init(cfg: ModelConfig) -> str | None:
+    """Where the design's K rows start in a conversion (its params' `t_init`: CoCA's T), or None for
+    a design without that choice (K kept)."""
+    return getattr(cfg.params, "t_init", None)
+
+
+def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig,
             seed: int = 0) -> tuple[dict[str, torch.Tensor], Conversion]:
     """`state` (the source model's) as the target attention's state dict, and what was carried."""
-    check_conversion(source, target, t_init)
+    check_conversion(source, target)
     out = {name: tensor.clone() for name, tensor in state.items()}
     if source.attention == target.attention:
         return out, Conversion(carried=sorted(out), fresh=[])
     if target.design.bias is not None:
         fresh = _fresh_bias(target, seed)
         return {**out, **fresh}, Conversion(carried=sorted(out), fresh=sorted(fresh))
-    if target.design.from_origin != "k_to_t" or t_init == "from_k":
+    if t_init(target) != "fresh":
         return out, Conversion(carried=sorted(out), fresh=[])
     generator = torch.Generator().manual_seed(seed)
     fresh = []

@@ -101,17 +101,19 @@ class SequenceParallel:
 
 
 def sequence_refusal(size: int, n_head: int, kv_heads: int, max_seq_len: int) -> Optional[str]:
-    """Why a model cannot be split over `size` sequence ranks (None: it can)."""
+    """Why a model cannot be split over `size` sequence ranks, every reason in one line (None: it can)."""
+    reasons = []
     if n_head % size:
-        return f"model.n_head={n_head} is not divisible by parallel.sequence={size}: use a P that divides {n_head}"
+        reasons.append(f"model.n_head={n_head} is not divisible by parallel.sequence={size}: use a P that divides "
+                       f"{n_head}")
     if kv_heads % size and size % kv_heads:
-        return (f"model.n_kv_head={kv_heads} neither divides nor is divisible by parallel.sequence={size} "
-                f"(kv heads are split over the ranks, or replicated when fewer): use a P that divides {n_head} "
-                f"and is a multiple or a divisor of {kv_heads}")
+        reasons.append(f"model.n_kv_head={kv_heads} neither divides nor is divisible by parallel.sequence={size} "
+                       f"(kv heads are split over the ranks, or replicated when fewer): use a P that divides "
+                       f"{n_head} and is a multiple or a divisor of {kv_heads}")
     if max_seq_len % size:
-        return (f"model.max_seq_len={max_seq_len} is not divisible by parallel.sequence={size}: each rank holds "
-                f"an equal share of every row; use a multiple of {size}")
-    return None
+        reasons.append(f"model.max_seq_len={max_seq_len} is not divisible by parallel.sequence={size}: each rank "
+                       f"holds an equal share of every row; use a multiple of {size}")
+    return "; ".join(reasons) or None
 
 
 def enable(model: torch.nn.Module, sp: Optional[SequenceParallel]) -> None:

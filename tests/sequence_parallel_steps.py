@@ -52,18 +52,20 @@ def model_config(arch: str, design: str, data: str, scaling: str) -> ModelConfig
     rope = RopeScaling("dynamic", 2.0, original_max_seq_len=SEQ_LEN // 2) if scaling == "dynamic" else RopeScaling()
     temp = dict(length_temperature=True, max_seq_len=SEQ_LEN // 4) if scaling == "temp" else dict(max_seq_len=SEQ_LEN)
     return ModelConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, ffn_hidden=64, **temp,
-                       **DESIGNS[design].settings(), design_params=PARAMS.get(design, {}), rope_scaling=rope,
+                       **{**DESIGNS[design].settings(),
+                          **({"design_params": PARAMS[design]} if design in PARAMS else {})},
+                       rope_scaling=rope,
                        doc_mask=data == "docs", doc_positions=data == "docs", **ARCHS[arch])
 
 
 def overrides(cfg: ModelConfig) -> list[str]:
     """The same model as `train` overrides."""
-    fields = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len", "attention", "coca_form",
+    fields = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len", "attention",
               "doc_mask", "doc_positions", "parallel_residual", "length_temperature")
     out = [f"model.{name}={getattr(cfg, name)}" for name in fields] + [f"model.vocab_size={VOCAB}"]
     params = cfg.params
     if params is not None:
-        out += [f"model.design_params.{cfg.design.key}.{k}={v}" for k, v in vars(params).items()]
+        out += [f"model.design_params.{cfg.attention}.{k}={v}" for k, v in vars(params).items()]
     if cfg.n_kv_head is not None:
         out.append(f"model.n_kv_head={cfg.n_kv_head}")
     s = cfg.rope_scaling

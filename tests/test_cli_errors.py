@@ -497,3 +497,98 @@ def test_malformed_jsonl_names_file_and_line_and_exits_1(tmp_path, capsys):
             assert _snapshot(tmp_path) == before
     assert {k: v for k, v in _snapshot(tmp_path).items() if not k.startswith("c/")} == before
     assert not (tmp_path / "bin").exists()
+
+
+# --- what users trip on (issue 49) ------------------------------------------------------------------
+@pytest.mark.parametrize("module, command", [("hf.export", "python -m train.export_hf run="),
+                                             ("hf.imports", "python -m train init_from=")])
+def test_the_hf_libraries_run_as_modules_name_the_command_to_use(module, command, tmp_path):
+    done = subprocess.run([sys.executable, "-m", module, f"run={tmp_path}", f"out={tmp_path / 'hf'}"], cwd=ROOT,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and command in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_parameter_of_a_design_not_selected_is_one_line(capsys):
+    from train.__main__ import main as train_main
+
+    code = train_main(["model.attention=origin", "model.design_params.prope.p=0.5"])
+    _one_error(capsys, code, 2, "model.design_params.prope.p=0.5", "model.attention=origin does not read it")
+    assert train_main(["model.attention=prope", "model.design_params.prope.p=0.5", "--cfg", "job"]) == 0
+
+
+def _corrupt_parquet(folder: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True)
+    for split in ("train", "val"):
+        pq.write_table(pa.table({"text": [f"document {i} " * 40 for i in range(40)]}), folder / f"{split}.parquet")
+    data = (folder / "train.parquet").read_bytes()
+    (folder / "train.parquet").write_bytes(data[: len(data) // 2])  # cut off: no footer
+    return folder / "train.parquet"
+
+
+def test_a_corrupt_parquet_file_is_named_per_split_and_by_document(tmp_path, capsys):
+    bad = _corrupt_parquet(tmp_path / "x")
+    for path in (tmp_path / "x" / "{split}.parquet", bad):
+        for main, args in ((tokenizer_main, ["train"]), (prepare_main, ["--out", str(tmp_path / "bin")])):
+            code = _exit_code(main, [*args, _files_source(path), f"cache_dir={tmp_path / 'c'}"])
+            _one_error(capsys, code, 1, f"{bad} is not a readable parquet file")
+    assert not (tmp_path / "bin").exists()
+
+
+def test_an_empty_passkey_progress_file_is_not_called_missing(tmp_path, capsys):
+    from eval import bar
+
+    (tmp_path / bar.PROGRESS_FILE).write_text("")
+    assert bar.main([str(tmp_path)]) == 1
+    line = _one_error(capsys, 1, 1, f"{tmp_path / bar.PROGRESS_FILE} holds no row", "empty or cut off")
+    assert "missing" not in line
+
+
+def _launched(launcher: str, run_dir: Path, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    """`python -m train` on `ranks` CPU ranks under `deepspeed` or launch/train_single_node.sh (torchrun)."""
+    import socket
+
+    args = [*MICRO, f"run_dir={run_dir}", f"data.cache_dir={run_dir.parent / 'cache'}", *overrides]
+    if launcher == "torchrun":
+        command, env = [str(ROOT / "launch" / "train_single_node.sh"), *args], clean_env(NUM_GPUS=str(ranks))
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        command = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), "--module", "train", *args]
+        env = clean_env()
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_refused_setting_under_a_launcher_is_one_line_with_every_reason(launcher, tmp_path):
+    """parallel.sequence=4 on 2 ranks of a 2-head model: rank 0 alone says both reasons in one line,
+    torchrun's failure report is folded away, and the status is the refusal's (2)."""
+    done = _launched(launcher, tmp_path / "run", "parallel.sequence=4")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "error: model.n_head=2 is not divisible by parallel.sequence=4: use a P that divides 2; parallel.sequence=4 "
+        "does not divide the world size 2: launch a multiple of 4 ranks, or set parallel.sequence to a divisor of 2"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_resuming_with_another_sequence_split_names_the_checkpoints(tmp_path):
+    """A run trained with parallel.sequence=2 on 2 ranks (data-parallel size 1), resumed with P=1 on
+    2 ranks, where its batch of one micro-batch cannot split: the line says to resume with P=2."""
+    run_dir = tmp_path / "run"
+    batch = ["batch_size=4", "micro_batch_size=4", "max_steps=2", "ckpt_every=2", "eval_every=2"]
+    assert _launched("deepspeed", run_dir, *batch, "parallel.sequence=2").returncode == 0
+    done = _launched("deepspeed", run_dir, *batch, "resume=auto", "max_steps=4")
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: batch_size=4 is not divisible"), lines
+    assert lines[0].endswith(f"checkpoint {run_dir / 'checkpoints' / 'step_00000002'} was trained with "
+                             "parallel.sequence=2, which splits this batch over 2 ranks: resume with "
+                             "parallel.sequence=2")

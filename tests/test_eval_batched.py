@@ -15,7 +15,7 @@ from model import GPT
 from model.config import flavor
 
 ATTENTIONS = {"origin": {}, "alibi": {"attention": "alibi"}, "coca-slack": {"attention": "coca"},
-              "coca-strict": {"attention": "coca", "coca_form": "strict"}}
+              "coca-strict": {"attention": "coca", "design_params": {"coca": {"form": "strict"}}}}
 TRAIN_LEN = 128  # the tiny flavor's: cases at 300 and 700 tokens are 2.3x and 5.5x it
 SETTINGS = [(v, s) for v in ATTENTIONS for s in ("none", "dynamic:8") if v != "alibi" or s == "none"]  # no RoPE
 

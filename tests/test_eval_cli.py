@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,38 @@ def test_eval_composes_like_train_an_added_key_is_one_line(capsys):
     assert main(["run=x", "+passkey.n_case=5"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "n_case" in lines[0], lines
+
+
+@pytest.fixture(scope="module")
+def nope_run(micro_run, tmp_path_factory) -> Path:
+    """The micro run read as NoPE (the same parameters, no rotation): a run whose design has no RoPE."""
+    run = tmp_path_factory.mktemp("nope") / "micro"
+    shutil.copytree(micro_run, run)
+    for path in run.rglob("config.yaml"):
+        # 'nope' quoted has as many bytes as origin: the checkpoint's recorded sizes still hold
+        path.write_text(path.read_text().replace("attention: origin", "attention: 'nope'"))
+    return run
+
+
+@pytest.mark.slow
+def test_a_rope_scaling_a_design_cannot_take_is_refused_as_generate_refuses_it(nope_run, tmp_path, capsys):
+    from generate.__main__ import main as generate_main
+
+    message = "model.rope_scaling.type='dynamic' with model.attention='nope': NoPE has no RoPE to scale"
+    check_one_line_error(nope_run, tmp_path, capsys, ["model.rope_scaling.type=dynamic"], message)
+    assert not (tmp_path / "ppl.json").exists()
+    assert generate_main([f"run={nope_run}", "prompt=x", "rope_scaling=dynamic:4"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_sweep_keeps_the_temperature_where_the_design_has_no_rope(nope_run, tmp_path):
+    """`dynamic:8+temp` on NoPE is evaluated as `+temp` (the temperature without the scaling), and
+    `+temp` alone is that setting too: each once, the dropped RoPE part in a note."""
+    evaluate(nope_run, tmp_path, "task=ppl", f"ppl.lengths=[{L0},{4 * L0}]", "ppl.n_docs=1",
+             "scalings=[none,dynamic:8+temp,+temp]")
+    ppl = json.loads((tmp_path / "ppl.json").read_text())
+    assert [r["scaling"] for r in ppl["rows"]] == ["none", "none", "none+temp", "none+temp"]
+    assert ppl["notes"] == ["NoPE has no RoPE: scaling dynamic:8+temp skipped"]
+    by = {(r["scaling"], r["length"]): r["ppl"] for r in ppl["rows"]}
+    assert by["none+temp", L0] == by["none", L0] and by["none+temp", 4 * L0] != by["none", 4 * L0]

@@ -418,7 +418,7 @@ def zero3(tmp_path_factory) -> tuple[Path, Path]:
     run, out = root / "run", root / "hf"
     _ok(subprocess.run([sys.executable, "-m", "train", "experiment=micro", "logger=none", "logger.progress=false",
                         f"run_dir={run}", f"data.cache_dir={root / 'cache'}", "deepspeed=zero3", "model.attention=coca",
-                        "model.coca_form=strict", "max_steps=6", "ckpt_every=6", "eval_every=6"],
+                        "model.design_params.coca.form=strict", "max_steps=6", "ckpt_every=6", "eval_every=6"],
                        cwd=REPO, env=_env(root / "hf_home"), capture_output=True, text=True, timeout=600))
     done = _ok(subprocess.run([sys.executable, "-m", "train.export_hf", f"run={run}", f"out={out}"], cwd=REPO,
                               env=_env(root / "hf_home"), capture_output=True, text=True, timeout=600))
@@ -473,7 +473,7 @@ def test_zero3_export_eval_and_resume_say_only_their_own_lines(zero3, tmp_path):
     shutil.copytree(run, tmp_path / "run")
     resume = ["experiment=micro", "logger=none", "logger.progress=false", f"run_dir={tmp_path / 'run'}",
               f"data.cache_dir={tmp_path / 'cache'}", "deepspeed=zero3", "model.attention=coca",
-              "model.coca_form=strict", "max_steps=8", "ckpt_every=8", "eval_every=8", "resume=auto"]
+              "model.design_params.coca.form=strict", "max_steps=8", "ckpt_every=8", "eval_every=8", "resume=auto"]
     done = _ok(subprocess.run([sys.executable, "-m", "train", *resume], cwd=REPO, env=env, capture_output=True,
                               text=True, timeout=600))
     assert done.stdout == "" and done.stderr.splitlines()[0].startswith("resumed from"), done.stderr

@@ -67,7 +67,7 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     for v in VARIANTS:
         config = (work / "runs" / f"z2_{v}" / "config.yaml").read_text()
         assert f"name: paper_350m_{v}" in config and "zero_stage: 2" in config
-        assert ("coca_form: strict" in config) == (v == "coca_strict")
+        assert ("form: strict" in config) == (v == "coca_strict")
         assert not (work / "runs" / f"z2_{v}" / "checkpoints").exists()  # removed: GBs each on a GPU
     assert json.loads((work / "runs" / "z3_coca" / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 3
     assert "attention: coca" in (work / "runs" / "z3_coca" / "config.yaml").read_text()

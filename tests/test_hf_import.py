@@ -165,8 +165,8 @@ def test_llama_directory_gives_llama_logits(tmp_path, tied, kv, shard):
 @pytest.mark.parametrize("kind", ["pythia", "llama-gqa-untied", "llama-tied"])
 def test_import_then_export_gives_back_the_same_tensors_and_logits(kind, tok, tmp_path):
     """A Hugging Face directory imported (`import_hf`) and exported again (`hf.export.export_hf`)
-    holds the same tensors, bitwise, under the same names (GPT-NeoX's head is written `lm_head`,
-    which transformers reads as its `embed_out`), and transformers' logits are the same."""
+    holds the same tensors, bitwise, under the same names (GPT-NeoX's head as its checkpoints name
+    it, `embed_out`), and transformers' logits are the same."""
     from safetensors.torch import load_file
 
     from hf.export import export_hf
@@ -184,8 +184,6 @@ def test_import_then_export_gives_back_the_same_tensors_and_logits(kind, tok, tm
     for file in set(tensor_files(source).values()):
         original.update(load_file(str(file)))
     exported = load_file(str(out / "model.safetensors"))
-    if "embed_out.weight" in original:  # GPT-NeoX's head: transformers saves `embed_out`, reads both
-        original["lm_head.weight"] = original.pop("embed_out.weight")
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[name], original[name]) for name in original)
     idx = _idx(tok.vocab_size)
@@ -269,7 +267,8 @@ def test_our_exports_import_back_exactly(micro_run, tmp_path):
 
     model, _, tokenizer = load_model(str(micro_run))
     strict = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64,
-                             max_seq_len=L0, attention="coca", coca_form="strict", tie_embeddings=True))
+                             max_seq_len=L0, attention="coca", design_params={"coca": {"form": "strict"}},
+                             tie_embeddings=True))
     hybrid = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64,
                              max_seq_len=L0, attention="hybrid", length_temperature=True,
                              design_params={"hybrid": {"nope_every": 2, "window": 7}}))
@@ -277,7 +276,7 @@ def test_our_exports_import_back_exactly(micro_run, tmp_path):
         out = export_hf(ours, tokenizer, tmp_path / name)
         cfg, state = import_hf(out)
         fixed = ("arch", "vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len", "attention",
-                 "coca_form", "rotary_pct", "rope_base", "parallel_residual", "layernorm_eps", "tie_embeddings",
+                 "rotary_pct", "rope_base", "parallel_residual", "layernorm_eps", "tie_embeddings",
                  "design_params", "length_temperature")
         assert {f: getattr(cfg, f) for f in fixed} == {f: getattr(ours.cfg, f) for f in fixed}
         mine = ours.state_dict()
@@ -316,6 +315,9 @@ REFUSALS = {  # config.json change -> what the one line names
     "llama3_extra": ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "mscale": 0.7,
                                           "original_max_position_embeddings": 16}},
                      "rope_parameters.mscale=0.7 is not supported"),
+    "llama3_bounds": ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
+                                           "original_max_position_embeddings": 16}},
+                      "rope_parameters of RoPE type llama3 lacks low_freq_factor, high_freq_factor (transformers"),
     "attention_bias": ({"attention_bias": True}, "attention_bias=true is not supported"),
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=true is not supported"),
     "hidden_act": ({"hidden_act": "gelu"}, "hidden_act=\"gelu\" is not supported: this llama model uses silu"),
@@ -384,8 +386,9 @@ def test_a_directory_config_combines_with_the_command_line():
         combine(source, ModelConfig(n_layer=6), "d/config.json")
     with pytest.raises(ConfigError, match="model.vocab_size=512 disagrees"):
         combine(source, ModelConfig(vocab_size=512), "d/config.json")
-    converted = combine(source, ModelConfig(attention="coca", coca_form="strict"), "d/config.json")
-    assert (converted.attention, converted.coca_form) == ("coca", "strict")  # the weights are converted
+    strict = {"coca": {"form": "strict"}}
+    converted = combine(source, ModelConfig(attention="coca", design_params=strict), "d/config.json")
+    assert (converted.attention, converted.design.form) == ("coca", "strict")  # the weights are converted
     assert combine(source, ModelConfig(attention="alibi"), "d/config.json").attention == "alibi"
     with pytest.raises(ConfigError, match="cannot convert attention=alibi into attention=coca: only Origin"):
         combine(replace(source, attention="alibi"), ModelConfig(attention="coca"), "d/config.json")

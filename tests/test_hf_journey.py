@@ -197,3 +197,23 @@ def test_a_hugging_face_model_trains_evaluates_and_exports_back_with_its_tokeniz
     results = json.loads(path.read_text())
     assert results["n-samples"]["coca_lm_pycloze"]["effective"] == 24
     assert 0.0 <= results["results"]["coca_lm_pycloze"]["acc,none"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", [pythia_dir, llama_dir], ids=["pythia", "llama"])
+def test_a_directory_trained_without_moving_and_exported_gives_back_its_tensors(make, tmp_path):
+    """The round trip as a user makes it: a random GPTNeoXForCausalLM (untied) or LlamaForCausalLM
+    (tied) directory saved by transformers, `init_from` it, 3 steps at a learning rate too small to
+    move an fp32 weight, `python -m train.export_hf`: the export holds exactly the source's tensor
+    names (GPT-NeoX's head `embed_out.weight`, no head for the tied Llama) and its values, bitwise."""
+    from safetensors.torch import load_file
+
+    source = make(tmp_path / "model")
+    run, out = tmp_path / "run", tmp_path / "export"
+    _run("-m", "train", *RUN, f"init_from={source}", f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}",
+         "optim.lr=1e-30", "optim.min_lr=0", "optim.warmup_steps=0", "deepspeed.precision=fp32")
+    _run("-m", "train.export_hf", f"run={run}", f"out={out}")
+    original, exported = load_file(str(source / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert ("embed_out.weight" in original) == (make is pythia_dir) and "lm_head.weight" not in original
+    assert all(torch.equal(exported[name], original[name].float()) for name in original)

@@ -169,7 +169,8 @@ def test_alibi_kernel_matches_explicit_bias(tq, tk, kv_heads, monkeypatch):
 def test_attention_layer_matches_reference(kind, rotary_pct):
     """The whole layer (fused qkv layout, transform, SDPA kernel, output projection) in float64."""
     attention = "coca" if kind in ("slack", "strict") else kind
-    cfg = ModelConfig(n_head=2, n_embd=16, attention=attention, coca_form=kind if attention == "coca" else "slack",
+    cfg = ModelConfig(n_head=2, n_embd=16, attention=attention,
+                      design_params={"coca": {"form": kind}} if attention == "coca" else {},
                       rotary_pct=rotary_pct)
     torch.manual_seed(0)
     layer = CausalSelfAttention(cfg).double()

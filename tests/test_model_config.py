@@ -31,7 +31,7 @@ def test_count_parameters_matches_the_module(name, overrides):
     "overrides, words",
     [
         (dict(attention="foo"), ["model.attention='foo'", "origin, alibi, coca"]),
-        (dict(coca_form="loose"), ["model.coca_form", "slack, strict"]),
+        (dict(design_params={"coca": {"form": "loose"}}), ["model.design_params.coca.form", "slack, strict"]),
         (dict(n_embd=60, n_head=4), ["head dimension", "even"]),
         (dict(n_embd=250, n_head=4), ["model.n_embd", "divisible"]),
         (dict(rotary_pct=0.3), ["model.rotary_pct", "19 rotary dims", "even"]),  # int(64 * 0.3) = 19

@@ -16,9 +16,11 @@ ARCHS = {
 }
 
 
-def config(arch: str, attention: str = "origin", coca_form: str = "slack", **extra) -> ModelConfig:
+def config(arch: str, attention: str = "origin", coca_form: str = "slack", t_init: str = "from_k",
+           **extra) -> ModelConfig:
     shape = dict(vocab_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=64, max_seq_len=32)
-    return ModelConfig(**{**shape, **ARCHS[arch], **extra}, attention=attention, coca_form=coca_form)
+    return ModelConfig(**{**shape, **ARCHS[arch], **extra}, attention=attention,
+                       design_params={"coca": {"form": coca_form, "t_init": t_init}})
 
 
 def trained_origin(arch: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -56,8 +58,8 @@ def steps_lower_the_loss(cfg: ModelConfig, state: dict) -> bool:
 @pytest.mark.parametrize("target", [("coca", "slack"), ("coca", "strict"), ("alibi", "slack")])
 def test_from_k_and_alibi_carry_every_tensor_bitwise_and_train(arch, target):
     source, state = trained_origin(arch)
-    cfg = config(arch, *target)
-    out, done = convert(state, source, cfg, t_init="from_k")
+    cfg = config(arch, *target, t_init="from_k")
+    out, done = convert(state, source, cfg)
     assert sorted(out) == sorted(state) and done.fresh == [] and done.carried == sorted(state)
     assert all(torch.equal(out[name], state[name]) for name in state)
     assert steps_lower_the_loss(cfg, out)
@@ -66,8 +68,8 @@ def test_from_k_and_alibi_carry_every_tensor_bitwise_and_train(arch, target):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fresh_t_redraws_only_k_and_keeps_the_rest_bitwise(arch):
     source, state = trained_origin(arch)
-    cfg = config(arch, "coca")
-    out, done = convert(state, source, cfg, t_init="fresh", seed=3)
+    cfg = config(arch, "coca", t_init="fresh")
+    out, done = convert(state, source, cfg, seed=3)
     assert len(done.fresh) == cfg.n_layer
     for layer in range(cfg.n_layer):
         new, old = k_rows(out, cfg, layer), k_rows(state, cfg, layer)
@@ -84,7 +86,7 @@ def test_fresh_t_redraws_only_k_and_keeps_the_rest_bitwise(arch):
     untouched = [n for n in state if ".attn.qkv." not in n and ".attn.k." not in n]
     assert untouched and all(torch.equal(out[n], state[n]) for n in untouched)
     assert set(done.carried) == set(untouched) | {n for n in state if ".attn.q." in n or ".attn.v." in n}
-    again, _ = convert(state, source, cfg, t_init="fresh", seed=3)
+    again, _ = convert(state, source, cfg, seed=3)
     assert all(torch.equal(again[n], out[n]) for n in out)  # seeded
     assert steps_lower_the_loss(cfg, out)
 
@@ -103,5 +105,5 @@ def test_conversions_that_cannot_make_sense_are_one_line(source, target, message
 
 def test_unknown_t_init_is_refused():
     src = config("neox")
-    with pytest.raises(ConversionError, match="t_init='zeros' is not one of from_k, fresh"):
-        convert(GPT(src).state_dict(), src, config("neox", "coca"), t_init="zeros")
+    with pytest.raises(ValueError, match="t_init='zeros' is not one of from_k, fresh"):  # the config refuses it
+        convert(GPT(src).state_dict(), src, config("neox", "coca", t_init="zeros"))

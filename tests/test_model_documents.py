@@ -28,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def config(kind: str, **extra) -> ModelConfig:
     attention = "coca" if kind in ("slack", "strict") else kind
     return ModelConfig(vocab_size=50, n_layer=2, n_head=2, n_embd=16, ffn_hidden=32, max_seq_len=64,
-                       attention=attention, coca_form=kind if attention == "coca" else "slack", **extra)
+                       attention=attention, design_params={"coca": {"form": kind}} if attention == "coca" else {},
+                       **extra)
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> GPT:

@@ -10,13 +10,14 @@ import model.loss as loss_module
 from model import GPT, KVCache, ModelConfig, RopeScaling
 from model.designs import DESIGNS, Rope, design_of
 
-# Every design of the registry, as (attention, coca_form); its label names the case.
-VARIANTS = [(d.attention, d.coca_form or "slack") for d in DESIGNS.values()]
+# Every design of the registry, as (attention, form); its label names the case.
+VARIANTS = [(d.attention, d.form or "slack") for d in DESIGNS.values()]
 IDS = [d.label for d in DESIGNS.values()]
 # Parameters that make a design's feature visible in `small`'s 2 layers and 20 tokens: the hybrid's
 # layer 0 in a window of 3, its layer 1 global NoPE; p-RoPE rotating half its pairs.
 PARAMS = {"hybrid": {"hybrid": {"window": 3, "nope_every": 2}}, "prope": {"prope": {"p": 0.5}}}
-ROPE_SCALED = [(a, f, s) for a, f in VARIANTS for s in ("none", "dynamic") if design_of(a, f).rope or s == "none"]
+ROPE_SCALED = [(a, f, s) for a, f in VARIANTS for s in ("none", "dynamic")
+               if design_of(a, {a: {"form": f}}).rope or s == "none"]
 # arch=llama as `small` builds it: 2 query heads sharing 1 kv head (MQA, a group of 2).
 ARCHS = {"neox": {}, "llama": dict(arch="llama", n_kv_head=1, parallel_residual=False)}
 
@@ -27,8 +28,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def small(attention="origin", coca_form="slack", arch="neox", **overrides) -> GPT:
     cfg = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=16, ffn_hidden=32, max_seq_len=8, **ARCHS[arch])
     torch.manual_seed(0)
-    cfg["design_params"] = PARAMS.get(attention, {})
-    model = GPT(ModelConfig(**{**cfg, **overrides}, attention=attention, coca_form=coca_form)).double()
+    form = {"coca": {"form": coca_form}} if attention == "coca" else {}
+    cfg["design_params"] = {**PARAMS.get(attention, {}), **form}
+    model = GPT(ModelConfig(**{**cfg, **overrides}, attention=attention)).double()
     for p in model.parameters():  # larger weights than init_std so that attention is far from uniform
         torch.nn.init.normal_(p, std=0.3)
     return model.eval()

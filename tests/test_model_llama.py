@@ -26,7 +26,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def llama(kind: str = "origin", **overrides) -> ModelConfig:
     attention = "coca" if kind in ("slack", "strict") else kind
     cfg = dict(arch="llama", parallel_residual=False, vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-               ffn_hidden=48, max_seq_len=64, attention=attention, coca_form=kind if attention == "coca" else "slack")
+               ffn_hidden=48, max_seq_len=64, attention=attention,
+               design_params={"coca": {"form": kind}} if attention == "coca" else {})
     return ModelConfig(**{**cfg, **overrides})
 
 

@@ -32,7 +32,7 @@ from model import GPT, flavor
 
 attention, form, n, name = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
-model = GPT(flavor(name, attention=attention, coca_form=form)).eval()
+model = GPT(flavor(name, attention=attention, design_params={"coca": {"form": form}})).eval()
 idx = torch.randint(0, model.cfg.vocab_size, (1, n + 1))
 with torch.no_grad():
     for warm in (256, 1024, 2048):  # ALiBi: compiles FlexAttention (static, then dynamic shapes) here

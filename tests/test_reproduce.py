@@ -69,7 +69,7 @@ def test_paper_reproduction_dry_run(tmp_path: Path) -> None:
     for v in variants:
         cfg = (tmp_path / v / "config.yaml").read_text()
         assert f"name: paper_350m_{v}" in cfg
-        assert ("coca_form: strict" in cfg) == (v == "coca_strict")
+        assert ("form: strict" in cfg) == (v == "coca_strict")
 
 
 @pytest.mark.slow
@@ -138,7 +138,7 @@ def test_perplexity_study_shortened(tmp_path: Path) -> None:
         design = run.rsplit("_s", 1)[0]
         assert f"attention: {attention}" in cfg and f"name: study_ppl_{run}" in cfg and "max_steps: 3" in cfg
         assert "kind: synthetic" not in cfg  # text only
-        assert ("coca_form: strict" in cfg) == (design == "coca_strict")
+        assert ("form: strict" in cfg) == (design == "coca_strict")
         assert sorted(p.name for p in (results / run).iterdir()) == [
             "DONE", "config.yaml", "machine.txt", "ppl.json"]
         machine = (results / run / "machine.txt").read_text().splitlines()  # one line per start

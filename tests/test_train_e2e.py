@@ -235,10 +235,10 @@ def test_init_from_an_origin_run_converts_it_to_coca_or_alibi(reference, cache, 
     for attention, t_init in (("coca", "from_k"), ("coca", "fresh"), ("alibi", "from_k")):
         run_dir = tmp_path / f"{attention}_{t_init}"
         result = ok(train(run_dir, cache, f"init_from={reference}", f"model.attention={attention}",
-                          f"t_init={t_init}", "max_steps=2", "eval_every=2", "ckpt_every=2"))
+                          f"model.design_params.coca.t_init={t_init}", "max_steps=2", "eval_every=2", "ckpt_every=2"))
         assert f"origin converted to {attention}" in result.stderr
         cfg = to_train_config(OmegaConf.load(run_dir / "config.yaml"))
-        state, _ = convert(source.state_dict(), source_cfg.model, cfg.model, t_init, seed=cfg.seed)
+        state, _ = convert(source.state_dict(), source_cfg.model, cfg.model, seed=cfg.seed)
         converted = GPT(cfg.model)
         converted.load_state_dict(state)
         batch = torch.tensor(json.loads(blocks(run_dir)[0])["tokens"])

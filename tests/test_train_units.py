@@ -17,8 +17,8 @@ from train.distributed import strip_local_rank
 from train.engine import check_precision_supported, deepspeed_config, precision_refusal
 from train.flops import flops_per_token
 from train.metrics import wandb_mode
-from train.restore import checkpoint_to_resume
 from train.schedule import lr_at
+from train.start import checkpoint_to_resume
 
 
 def _cfg(*overrides: str):

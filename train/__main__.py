@@ -6,7 +6,9 @@ input (a missing or bad checkpoint or corpus file, and a non-finite loss with no
 2 bad usage (a bad key or value, a batch that does not split over the ranks), 128 + signal
 (143 SIGTERM, 130 SIGINT) after a signal: every rank finishes its step and the checkpoint of that
 step is complete on disk (a signal before training starts ends the process without one: there
-is nothing new to save). Under a launcher an error is said by rank 0 alone (`_say_once`).
+is nothing new to save). Under a launcher an error is said by rank 0 alone (`_say_once`), the
+configuration's every reason in that one line (`_compose_checked`: the world size the launcher set
+is checked with the rest).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from omegaconf import OmegaConf
 
 from data.cli import exit_code
 from errors import EXIT_INPUT, UserError, report_error
+from model.config import unselected_params
 from train.config import ConfigError, TrainConfig, compose, to_train_config
 from train.distributed import check_sequence, strip_local_rank
 
@@ -46,14 +49,55 @@ def _split_args(argv: list[str]) -> tuple[list[str], bool]:
     return overrides, show
 
 
-def check_world_size(cfg: TrainConfig, world_size: int) -> None:
+def check_world_size(cfg: TrainConfig, world_size: int, start=None) -> None:
     """parallel.sequence divides this many ranks and the global batch splits over the data-parallel
-    ones (a `ConfigError`, said once by rank 0, if not)."""
+    ones (a `ConfigError`, said once by rank 0, if not; for a `train.start.Start` continuing a
+    checkpoint trained with another parallel.sequence that would split it, naming that one)."""
     check_sequence(cfg.parallel.sequence, world_size)
     try:
         cfg.grad_accum(world_size // cfg.parallel.sequence)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(f"{error}{_resumed_layout(cfg, world_size, start)}") from None
+
+
+def _resumed_layout(cfg: TrainConfig, world_size: int, start) -> str:
+    """The hint for a resume whose batch does not split here but did under the checkpoint's
+    parallel.sequence on this many ranks ("" when there is none to give)."""
+    if start is None or start.written is None:
+        return ""
+    trained = start.written[1]
+    if trained == cfg.parallel.sequence or world_size % trained:
+        return ""
+    try:
+        cfg.grad_accum(world_size // trained)
+    except ValueError:
+        return ""
+    return (f"; checkpoint {start.checkpoint} was trained with parallel.sequence={trained}, which splits this "
+            f"batch over {world_size} ranks: resume with parallel.sequence={trained}")
+
+
+def _compose_checked(overrides: list[str]) -> TrainConfig:
+    """The checked config, every refusal in one `ConfigError`: the schema's checks and, under a
+    launcher (its WORLD_SIZE), whether parallel.sequence divides the ranks it starts."""
+    composed = compose(overrides)
+    reasons = []
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sequence = composed.parallel.sequence
+    if isinstance(sequence, int) and sequence >= 1 and world % sequence:
+        try:
+            check_sequence(sequence, world)
+        except ConfigError as error:
+            reasons.append(str(error))
+    try:
+        cfg = to_train_config(composed)
+        unread = unselected_params(cfg.model)
+        if unread:
+            raise ConfigError(unread)
+    except ConfigError as error:
+        reasons.insert(0, str(error))
+    if reasons:
+        raise ConfigError("; ".join(reasons))
+    return cfg
 
 
 RANK0_FIRST_S = 10.0  # how long another rank leaves rank 0 to say an error it met too
@@ -79,10 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     overrides, show = _split_args(argv)
     try:
-        composed = compose(overrides)
-        cfg = to_train_config(composed)
+        cfg = _compose_checked(overrides)
     except ConfigError as error:
-        return report_error(error)
+        return _say_once(error, exit_code(error), shared=True)  # every rank composes alike
     if show:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
         return 0
@@ -92,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     try:
-        preflight(cfg)
+        start = preflight(cfg)
     except (UserError, FileNotFoundError, ValueError) as error:
         return _say_once(error, exit_code(error), shared=True)  # every rank makes the same checks
 
@@ -105,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         dist.init()
-        check_world_size(cfg, dist.world_size())
-        return run(cfg)
+        check_world_size(start.cfg, dist.world_size(), start)
+        return run(start)
     except KeyboardInterrupt:  # SIGINT before run() takes over the signal (import, rendezvous)
         print("interrupted before training started: nothing to save", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -4,8 +4,11 @@ Layout of `<run_dir>/checkpoints/step_NNNNNNNN/`: DeepSpeed's files (weights, op
 scheduler state, per ZeRO rank), `client_rank<R>.pt` per rank (step, tokens, data-loader state,
 python/numpy/torch RNG states), `config.yaml` (the resolved run config), the tokenizer's files
 (`tokenizer.model`, or a Hugging Face `tokenizer.json` + `tokenizer_config.json`), for a run started
-from a Hugging Face directory `hf_origin.json` (`ModelSource`), and `COMPLETE` (JSON: step, world
+from a Hugging Face directory `hf_origin.json` (`train.start.ModelSource`), and `COMPLETE` (JSON: step, world
 size, precision, ZeRO stage and the size of every file).
+The client state is the run's position: `Progress` (step, tokens seen, batches skipped), the data
+loader's state, the step the data layout began at, and the RNG states; `Checkpointer` writes it
+every `ckpt_every` steps, at the last and on a stop request.
 A checkpoint is written under `.tmp_step_NNNNNNNN/` and renamed once every rank has finished
 and the `COMPLETE` marker is on disk, so a write killed half-way is never visible.
 A checkpoint is deleted by first renaming it to `.trash_step_NNNNNNNN/` (atomic), then removing
@@ -31,10 +34,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from errors import EXIT_USAGE, UserError, first_line
-from hf.imports import HFModel, is_hf_dir
-from hf.imports import read as read_hf
-from model.config import ModelConfig
+from model.config import ModelConfig, upgrade_saved
 from train import distributed as dist
+from train.faults import FaultInjector
 
 MARKER = "COMPLETE"
 ORIGIN = "hf_origin.json"  # in every checkpoint of a run started from a Hugging Face directory
@@ -82,55 +84,6 @@ def find_checkpoint(path: str | Path) -> Path:
     if not found:
         raise CheckpointError(f"no complete checkpoint found in {path}")
     return found[-1]
-
-
-def find_init(path: str | Path) -> Path:
-    """What `init_from` names: a Hugging Face model directory (one holding config.json:
-    `hf.imports`) as it is, else a checkpoint (`find_checkpoint`: a run's newest, or the one named)."""
-    if is_hf_dir(path):
-        return Path(path)
-    try:
-        return find_checkpoint(path)
-    except CheckpointError as error:
-        if str(error).startswith("no complete checkpoint"):
-            raise CheckpointError(f"init_from={path}: no complete checkpoint found there, and it is not a Hugging "
-                                  "Face model directory either (no config.json)") from None
-        raise
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a run's model config and tokenizer come from instead of the command line: a Hugging
-    Face directory (`init_from=<dir>`: its config.json, tokenizer and tensors), or a checkpoint of a
-    run that started from one (resumed, or named by `init_from`: its saved model config and stored
-    tokenizer), which `ORIGIN` marks. `origin` is that file's content (the directory and its
-    config.json), carried into every checkpoint of the run."""
-
-    path: Path
-    model: ModelConfig
-    origin: dict[str, Any]
-    hf: Optional[HFModel]  # the directory, whose tensors are the weights; None: a checkpoint
-
-    @property
-    def where(self) -> str:
-        return f"{self.path / 'config.json'}" if self.hf is not None else f"checkpoint {self.path}"
-
-
-def model_source(path: Path) -> Optional[ModelSource]:
-    """The `ModelSource` at `path` (a Hugging Face directory, or a checkpoint holding `ORIGIN`), or
-    None for a checkpoint of a run configured on its command line."""
-    if is_hf_dir(path):
-        hf = read_hf(path)
-        return ModelSource(path, hf.model, {"hf_dir": str(Path(path).absolute()), "config": hf.config}, hf)
-    if not (path / ORIGIN).is_file():
-        return None
-    try:
-        origin = json.loads((path / ORIGIN).read_text())
-        model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved_config(path).model))
-    except (OSError, ValueError, TypeError, OmegaConfBaseException) as error:
-        raise CheckpointError(f"checkpoint {path}: {ORIGIN} or its model config is unreadable "
-                              f"({first_line(error)}){older_hint(path)}") from None
-    return ModelSource(path, model, origin, None)
 
 
 def seed_all(seed: int) -> None:
@@ -267,7 +220,8 @@ def saved_config(ckpt: Path):
 def saved_model(ckpt: Path) -> ModelConfig:
     """The model config stored in a checkpoint, as a `ModelConfig` (fields it predates defaulted)."""
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved_config(ckpt).model))
+        saved = upgrade_saved(OmegaConf.to_container(saved_config(ckpt).model), model_only=True)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved))
     except (ValueError, TypeError, OmegaConfBaseException) as error:
         raise CheckpointError(f"checkpoint {ckpt}: its model config is unreadable ({first_line(error)})"
                               f"{older_hint(ckpt)}") from None
@@ -376,3 +330,49 @@ def client_state(ckpt: Path, rank: int) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint file {path} is corrupt or unreadable: {first_line(error)}{older_hint(ckpt)}"
         ) from None
+
+
+# ---- the trainer's checkpointer: what a checkpoint holds beside DeepSpeed's state, and when ----
+
+
+@dataclass
+class Progress:
+    """Where a run stands; saved in every checkpoint and restored on resume."""
+
+    step: int = 0
+    tokens: int = 0
+    skipped: int = 0
+
+    @classmethod
+    def from_client(cls, client: dict[str, Any]) -> Progress:
+        return cls(client["step"], client["tokens"], client["skipped"])
+
+
+class Checkpointer:
+    """Saves every `ckpt_every` steps, at the last step, and on a stop request."""
+
+    def __init__(self, engine, loader, run_dir: Path, files: dict[str, bytes], *, every: int, last: int,
+                 keep_last: int, layout_step: int, faults: FaultInjector, say: Callable[[str], None],
+                 sequence: int = 1):
+        self.engine, self.loader, self.run_dir, self.files = engine, loader, run_dir, files
+        self.every, self.last, self.keep_last = every, last, keep_last
+        self.layout_step = layout_step  # where the data layout began (`data.stream.PackedStream`)
+        self.faults, self.say = faults, say
+        self.sequence = sequence  # parallel.sequence, recorded in the marker (`train.restore`)
+        self.last_saved: Path | None = None
+
+    def client_state(self, progress: Progress) -> dict[str, Any]:
+        return {"step": progress.step, "tokens": progress.tokens, "skipped": progress.skipped,
+                "loader": self.loader.state_dict(), "layout_step": self.layout_step}
+
+    def save(self, progress: Progress) -> Path:
+        path = save(self.engine, self.run_dir, progress.step, self.client_state(progress),
+                               self.files, self.keep_last, before_commit=self.faults.in_checkpoint(progress.step),
+                               in_prune=self.faults.in_prune(progress.step), sequence=self.sequence)
+        self.say(f"saved {path}")
+        self.last_saved = path
+        return path
+
+    def maybe_save(self, progress: Progress) -> None:
+        if progress.step % self.every == 0 or progress.step == self.last:
+            self.save(progress)

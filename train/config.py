@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from data.cli import booleans_only, compose_tree, validated
 from data.config import DataConfig
 from errors import ConfigError
-from model.config import FLAVORS, ModelConfig, flavor
-from model.convert import T_INITS
+from model.config import FLAVORS, ModelConfig, flavor, legacy_override, upgrade_saved
 from model.sequence_parallel import sequence_refusal
 
 __all__ = ["ConfigError", "TrainConfig", "compose", "register_configs", "to_train_config"]  # ConfigError: errors.py
@@ -182,8 +181,6 @@ class TrainConfig:
         this run's, or it is refused).
     init_from: a run or checkpoint directory, or a Hugging Face directory, whose weights (only)
         start this run; with another `model.attention` they are converted (`model.convert`).
-    t_init: where CoCA's T starts when init_from converts an Origin model to CoCA: from_k (T = K)
-        or fresh (drawn as the model initialises K).
     nonfinite: stop (exit with an error) or skip (drop the batch) on a non-finite loss.
     compile: torch.compile each transformer block (fuses its element-wise work; the first steps
         take longer while it compiles). Parameter names and checkpoints are unchanged.
@@ -212,7 +209,6 @@ class TrainConfig:
     resume: Optional[str] = None
     branch_from: Optional[str] = None
     init_from: Optional[str] = None
-    t_init: str = "from_k"
     nonfinite: str = "stop"
     compile: bool = False
     continues: bool = False
@@ -226,7 +222,6 @@ class TrainConfig:
                 f"batch_size={self.batch_size} must be a multiple of micro_batch_size={self.micro_batch_size}"
             )
         _one_of("nonfinite", self.nonfinite, NONFINITE)
-        _one_of("t_init", self.t_init, T_INITS)
         if self.resume is not None and self.init_from is not None:
             raise ValueError("resume and init_from are exclusive: resume continues a run, init_from starts one")
         if self.branch_from is not None and (self.init_from is not None or self.resume not in (None, "auto")):
@@ -270,13 +265,18 @@ def setup_id(cfg: TrainConfig) -> str:
     """Identifies a training setup up to its seeds and names: runs with equal ids are replicates
     (`eval.report` aggregates them). Only settings that differ from the schema's defaults enter it,
     so a field added to the schema later, at a default that keeps the old behaviour, leaves the ids
-    of earlier runs as they were. A continued run differs from one from scratch, and by `t_init`,
-    but not by which run it started from (its seed's)."""
+    of earlier runs as they were. A continued run differs from one from scratch, and by CoCA's
+    `t_init`, but not by which run it started from (its seed's). CoCA's parameters enter under the
+    names they had before they joined `model.design_params` (`model.config.MOVED`), so the ids of
+    runs trained before are unchanged."""
     def spec(c: TrainConfig) -> dict[str, Any]:
-        return _flat({"model": dataclasses.asdict(c.model), "data": {**dataclasses.asdict(c.data), "seed": None},
+        model = dataclasses.asdict(c.model)
+        coca = model["design_params"].pop("coca")
+        return _flat({"model": {**model, "coca_form": coca["form"]},
+                      "data": {**dataclasses.asdict(c.data), "seed": None},
                       "optim": dataclasses.asdict(c.optim), "deepspeed": dataclasses.asdict(c.deepspeed),
                       "batch_size": c.batch_size, "max_steps": c.max_steps,
-                      "init_from": c.init_from is not None, "t_init": c.t_init})
+                      "init_from": c.init_from is not None, "t_init": coca["t_init"]})
     default = spec(TrainConfig())
     changed = {k: v for k, v in spec(cfg).items() if k not in default or default[k] != v}
     return hashlib.sha256(json.dumps(changed, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -304,9 +304,16 @@ def register_configs() -> None:
 def compose(overrides: list[str]) -> DictConfig:
     """Compose `conf/config.yaml` with command-line overrides, type-checked against the schema
     (a boolean takes only true or false: `data.cli.booleans_only`)."""
+    moved = legacy_override(overrides)
+    if moved:
+        raise ConfigError(moved)
     booleans_only(TrainConfig, overrides)
     return compose_tree("config", overrides, register_configs, job_name="train")
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
-    return validated(TrainConfig, cfg)
+    """The checked `TrainConfig` of a composed config, or of a saved one (a run's or a checkpoint's
+    config.yaml: keys that moved since it was written are read where they went, `upgrade_saved`)."""
+    tree = OmegaConf.to_container(cfg)
+    upgraded = upgrade_saved(tree)
+    return validated(TrainConfig, cfg if upgraded == tree else OmegaConf.create(upgraded))

@@ -1,7 +1,7 @@
 """The training run: set up, then one flat loop of step, report, validate, save, stop.
 
 SIGTERM/SIGINT finish the current step, save, and exit 128 + signal (`train.stop`); the
-components are in `train.trainer` (setup, the step), `train.checkpointer`, `train.validate`,
+components are in `train.trainer` (setup, the step), `train.checkpoint` (the checkpointer), `train.validate`,
 `train.metrics` (reporter, throughput) and `train.faults` (every `debug.*` hook).
 """
 
@@ -14,30 +14,30 @@ import time
 import warnings
 
 from train import distributed as dist
-from train.config import TrainConfig
-from train.restore import complete_checkpoint
+from train.start import Start
 from train.stop import StopRequest
 from train.trainer import NonFiniteLossError, setup, summary
 
 __all__ = ["NonFiniteLossError", "run"]
 
 
-def run(cfg: TrainConfig) -> int:
-    """Train as configured; returns the process exit code (0, or 128 + signal after a stop request:
-    every rank stops at the same step, since the request is all-reduced with the step's loss)."""
+def run(start: Start) -> int:
+    """Train from `start` (`train.start.plan_start`); returns the process exit code (0, or 128 +
+    signal after a stop request: every rank stops at the same step, since the request is
+    all-reduced with the step's loss)."""
     stop = StopRequest()  # first: a signal during a long setup is not fatal
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message="'set_vital' is deprecated")  # torchdata on torch 2.13
     # DeepSpeed's ZeRO-3 calls collectives torch 2.13 deprecates: its business, not the run's output
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    started, complete = time.perf_counter(), complete_checkpoint(cfg)
-    if complete is not None:
+    started, cfg = time.perf_counter(), start.cfg
+    if start.kind == "finished":
         if dist.is_main():
-            print(f"run {cfg.run_dir} is complete ({complete.name}, max_steps={cfg.max_steps}): nothing to "
-                  f"train; raise max_steps to continue it, or evaluate it: python -m eval run={cfg.run_dir}",
+            print(f"run {cfg.run_dir} is complete ({start.checkpoint.name}, max_steps={cfg.max_steps}): nothing "
+                  f"to train; raise max_steps to continue it, or evaluate it: python -m eval run={cfg.run_dir}",
                   file=sys.stderr)
         return 0
-    trainer = setup(cfg, stop)
+    trainer = setup(start, stop)
     exit_code = 0
     try:
         while not trainer.done:

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from data.tokenizer import TOKENIZER_FILES
+from model.config import upgrade_saved
 from train import checkpoint
 from train.checkpoint import CheckpointError
 from train.config import OptimConfig, TrainConfig
@@ -58,7 +59,6 @@ RULES: dict[str, tuple[str, str]] = {
     "resume": (HONOUR, "how the checkpoint is found"),
     "branch_from": (HONOUR, "how the checkpoint is found (a branch's source schedule is checked apart)"),
     "init_from": (HONOUR, "exclusive with resume"),
-    "t_init": (HONOUR, "acts only when init_from starts a run"),
     "continues": (HONOUR, "checked when a run starts"),
     "parallel.sequence": (HONOUR, "the data-parallel layout is re-planned, as for another world size"),
     "model": (REFUSE, _FUNCTION),
@@ -73,6 +73,7 @@ RULES: dict[str, tuple[str, str]] = {
     "model.max_seq_len": (REFUSE, "the data loader's saved position is counted in blocks of this length"),
     "model.init_std": (REFUSE, _START),
     "model.activation_checkpointing": (HONOUR, "recomputation only, same math"),
+    "model.design_params.coca.t_init": (HONOUR, "acts only when init_from starts a run"),
     "data": (REFUSE, _LOADER),
     "data.cache_dir": (HONOUR, "a location; the tokenizer found there must equal the checkpoint's"),
     "data.tokenizer.model_path": (HONOUR, "a location; the tokenizer found there must equal the checkpoint's"),
@@ -114,7 +115,7 @@ def _show(value: Any) -> str:
 def _saved(ckpt: Path) -> dict[str, Any]:
     """The checkpoint's config, with keys it predates at their schema defaults (keys this version
     no longer has are left out: nothing could honour them)."""
-    saved = checkpoint.saved_config(ckpt)
+    saved = OmegaConf.create(upgrade_saved(OmegaConf.to_container(checkpoint.saved_config(ckpt))))
     schema = OmegaConf.structured(TrainConfig)
     try:
         return leaves(OmegaConf.to_container(OmegaConf.merge(schema, saved), resolve=True))

@@ -1,8 +1,9 @@
 """The trainer: the components a run is made of, built once by `setup`, and one optimizer step.
 
-`setup` checks everything that can be checked (run directory, resume rules, the metrics log,
-tokenizer) before the run writes a file, then builds model, engine, loader and validator, restores
-a resumed run, and writes `config.yaml` and `deepspeed.json`. `Trainer.train_step` is one optimizer
+`setup` builds the run its `train.start.Start` says (fresh, resumed, elastic, a branch, from
+`init_from`): it checks what can still fail (the resume rules, the metrics log, the tokenizer)
+before the run writes a file, then builds model, engine, loader and validator, restores a resumed
+run, and writes `config.yaml` and `deepspeed.json`. `Trainer.train_step` is one optimizer
 step: the step's `grad_accum` micro-batches fetched and their counted targets summed over ranks
 (one all-reduce of one number), their forward/backward through the DeepSpeed engine weighted by
 tokens (`backward_micro_batches`), then one small all-reduce (summed token losses, counted
@@ -25,14 +26,14 @@ from omegaconf import OmegaConf
 from data.loader import build_loader
 from data.sources import check_sources
 from data.tokenizer import get_tokenizer, load_tokenizer
-from hf.imports import HFImportError, combine
+from hf.imports import HFImportError
 from hf.imports import state_dict as hf_state_dict
 from model import GPT
-from model.convert import convert
+from model.convert import convert, t_init
 from model.sequence_parallel import SequenceParallel, enable
 from train import checkpoint, resume
 from train import distributed as dist
-from train.checkpointer import Checkpointer, Progress
+from train.checkpoint import Checkpointer, Progress
 from train.config import ConfigError, TrainConfig
 from train.engine import build_engine, deepspeed_config, resolve_precision
 from train.faults import FaultInjector
@@ -40,8 +41,9 @@ from train.flops import device_peak_flops, flops_per_token
 from train.inputs import counted_targets, documents_eos, model_inputs
 from train.load import fp32_state_dict
 from train.metrics import Reporter, Throughput, peak_memory_gb, records_up_to
-from train.restore import checkpoint_to_resume, plan_resume, restore
+from train.restore import plan_resume, restore
 from train.schedule import lr_at
+from train.start import ModelSource, Start
 from train.stop import StopRequest
 from train.validate import Validator
 
@@ -247,28 +249,21 @@ def _grad_norm(model: torch.nn.Module) -> float:
 @dataclass
 class _Checked:
     """What `setup` learns before anything is written (the resume rules, the metrics log, the
-    tokenizer); `train.preflight` made the cheap checks before DeepSpeed started."""
+    tokenizer); `train.preflight` made the cheap checks, and decided the start, before DeepSpeed
+    started."""
 
-    resume_from: Optional[Path]
     changed: list[str]  # the settings a resume changes (honoured), for the log
     metrics_kept: list[str]
     metrics_warning: Optional[str]
-    init_from: Optional[Path]  # a checkpoint, or a Hugging Face directory
     tokenizer: Any
-    source: Optional[checkpoint.ModelSource] = None  # where the model config and tokenizer come from, if not cfg
 
 
-def _checks(cfg: TrainConfig) -> _Checked:
+def _checks(start: Start) -> _Checked:
     """The checks that can fail, in order, before the run writes anything. A run whose model comes
-    from a `checkpoint.ModelSource` (init_from=<Hugging Face directory>, or a checkpoint of such a
-    run: resumed or named by init_from) takes its model config from there (`hf.imports.combine`:
-    `cfg.model` is replaced, before the resume rules compare it) and its tokenizer too."""
-    resume_from = checkpoint_to_resume(cfg)  # `train.preflight` has checked the run directory
-    init_from = checkpoint.find_init(cfg.init_from) if cfg.init_from else None
-    origin = resume_from or init_from
-    source = checkpoint.model_source(origin) if origin is not None else None
-    if source is not None:
-        cfg.model = combine(source.model, cfg.model, source.where)
+    from a `ModelSource` (init_from=<Hugging Face directory>, or a checkpoint of such a run: resumed
+    or named by init_from) has its model config from there already (`Start.cfg`, which the resume
+    rules compare) and takes its tokenizer from there too."""
+    cfg, resume_from, init_from, source = start.cfg, start.checkpoint, start.init_from, start.source
     changed = resume.check(resume_from, cfg) if resume_from is not None else []
     step = checkpoint.marker(resume_from)["step"] if resume_from is not None else 0
     kept, warning = records_up_to(Path(cfg.run_dir) / "metrics.jsonl", step) if dist.is_main() else ([], None)
@@ -286,10 +281,10 @@ def _checks(cfg: TrainConfig) -> _Checked:
             f"the tokenizer has {tokenizer.vocab_size} pieces but model.vocab_size={cfg.model.vocab_size}: "
             "set data.tokenizer.vocab_size to match"
         )
-    return _Checked(resume_from, changed, kept, warning, init_from, tokenizer, source)
+    return _Checked(changed, kept, warning, tokenizer)
 
 
-def _source_tokenizer(cfg: TrainConfig, source: checkpoint.ModelSource):
+def _source_tokenizer(cfg: TrainConfig, source: ModelSource):
     """The tokenizer of a model source (the directory's, or the checkpoint's copy). A
     `data.tokenizer.model_path`, if given, must be the same tokenizer. Its size may be below the
     model's `vocab_size` (Hugging Face embeddings are often padded), never above."""
@@ -304,58 +299,62 @@ def _source_tokenizer(cfg: TrainConfig, source: checkpoint.ModelSource):
     return tokenizer
 
 
-def _build_model(cfg: TrainConfig, checked: _Checked, sp: Optional[SequenceParallel]) -> GPT:
+def _build_model(start: Start, sp: Optional[SequenceParallel]) -> GPT:
     """The model, with the weights of `init_from` (a checkpoint's, or a Hugging Face directory's,
     read in fp32) when given: a fresh run from them (step 0, a new optimizer); with `sp`, running on
     this rank's shard of every row (`model.sequence_parallel`)."""
+    cfg = start.cfg
     checkpoint.seed_all(cfg.seed)
     model = GPT(cfg.model)
-    if checked.init_from is not None:
-        model.load_state_dict(_initial_state(cfg, checked))
+    if start.init_from is not None:
+        model.load_state_dict(_initial_state(start))
     enable(model, sp)
     if cfg.compile:
         model.compile_blocks()
     return model
 
 
-def _initial_state(cfg: TrainConfig, checked: _Checked) -> dict[str, torch.Tensor]:
+def _initial_state(start: Start) -> dict[str, torch.Tensor]:
     """init_from's weights, converted where this run has another attention (`model.convert`:
-    Origin to CoCA, T per `t_init`, or to ALiBi), which it then says on stderr (rank 0)."""
-    source = checked.source
+    Origin to CoCA, T per `design_params.coca.t_init`, or to ALiBi), which it then says on stderr
+    (rank 0)."""
+    cfg, source, init_from = start.cfg, start.source, start.init_from
     if source is not None and source.hf is not None:
         state, source_model = hf_state_dict(source.hf), source.model
     else:
-        source_model = checkpoint.saved_model(checked.init_from)
+        source_model = checkpoint.saved_model(init_from)
         if source_model.attention == cfg.model.attention:
-            checkpoint.check_compatible(checked.init_from, cfg.model)
-        state = fp32_state_dict(checked.init_from)
+            checkpoint.check_compatible(init_from, cfg.model)
+        state = fp32_state_dict(init_from)
     if source_model.attention == cfg.model.attention:
         return state
-    state, done = convert(state, source_model, cfg.model, cfg.t_init, seed=cfg.seed)
+    state, done = convert(state, source_model, cfg.model, seed=cfg.seed)
     if dist.is_main():
         target = cfg.model.design.label
-        t_init = f" (t_init={cfg.t_init})" if cfg.model.design.from_origin == "k_to_t" else ""
-        print(f"init_from {checked.init_from}: {source_model.attention} converted to {target}{t_init}: "
+        start = t_init(cfg.model)
+        t_init_note = "" if start is None else f" (t_init={start})"
+        print(f"init_from {init_from}: {source_model.attention} converted to {target}{t_init_note}: "
               f"{done.describe()}", file=sys.stderr)
     return state
 
 
-def _write_run_files(cfg: TrainConfig, checked: _Checked) -> dict[str, bytes]:
+def _write_run_files(start: Start, checked: _Checked) -> dict[str, bytes]:
     """`config.yaml`, `deepspeed.json`, the tokenizer's files and, for a run from a model source,
     `hf_origin.json` into the run directory (rank 0), saying so when a tokenizer file there is
     replaced (a resumed run's, edited by hand); returns the files every checkpoint carries (all of
     them but deepspeed.json)."""
+    cfg = start.cfg
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     files = {"config.yaml": config_yaml.encode(), **checked.tokenizer.files()}
-    if checked.source is not None:
-        files[checkpoint.ORIGIN] = (json.dumps(checked.source.origin, indent=2) + "\n").encode()
+    if start.source is not None:
+        files[checkpoint.ORIGIN] = (json.dumps(start.source.origin, indent=2) + "\n").encode()
     if dist.is_main():
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         edited = [name for name in checked.tokenizer.files()
                   if (run_dir / name).is_file() and (run_dir / name).read_bytes() != files[name]]
         if edited:
-            trained = "its checkpoint's copy" if checked.resume_from else "the one it loaded"
+            trained = "its checkpoint's copy" if start.checkpoint else "the one it loaded"
             print(f"warning: {run_dir / edited[0]} differs from the tokenizer this run trains with ({trained}): "
                   "replaced by it", file=sys.stderr)
         for name, content in files.items():
@@ -365,14 +364,16 @@ def _write_run_files(cfg: TrainConfig, checked: _Checked) -> dict[str, bytes]:
     return files
 
 
-def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
-    """Check, build, restore, then write the run's files and open its reporter."""
-    checked = _checks(cfg)
+def setup(start: Start, stop: StopRequest) -> Trainer:
+    """Check, build, restore, then write the run's files and open its reporter: the run `start`
+    (`train.start.plan_start`) says, under its config `start.cfg`."""
+    cfg = start.cfg
+    checked = _checks(start)
     faults = FaultInjector(cfg.debug)
     sp = dist.sequence_parallel(cfg.parallel.sequence)
     shard = (sp.rank, sp.size) if sp is not None else (0, 1)
-    model = _build_model(cfg, checked, sp)
-    plan = plan_resume(checked.resume_from, cfg, checked.tokenizer, faults) if checked.resume_from else None
+    model = _build_model(start, sp)
+    plan = plan_resume(start, checked.tokenizer, faults) if start.checkpoint is not None else None
     engine = build_engine(model, cfg, dist.world_size(), load_universal=plan is not None and plan.universal)
     layout_step = plan.layout_step if plan else 0
     dp_rank, dp_size = dist.data_parallel(cfg.parallel.sequence)  # a sequence group reads the same rows
@@ -385,7 +386,7 @@ def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
     else:
         progress = Progress()
         checkpoint.seed_all(cfg.seed + 1 + dist.rank())  # per-rank streams for anything random after init
-    files = _write_run_files(cfg, checked)
+    files = _write_run_files(start, checked)
     run_dir = Path(cfg.run_dir)
     reporter = Reporter(cfg.logger, run_dir, cfg.name, OmegaConf.to_container(OmegaConf.structured(cfg)),
                         enabled=dist.is_main(), resumed_step=progress.step, kept_records=checked.metrics_kept,
@@ -393,8 +394,8 @@ def setup(cfg: TrainConfig, stop: StopRequest) -> Trainer:
     faults.open_block_log(run_dir, progress.step)
     if checked.metrics_warning:
         reporter.message(checked.metrics_warning)
-    if checked.resume_from is not None:
-        reporter.message(f"resumed from {checked.resume_from} at step {progress.step}"
+    if start.checkpoint is not None:
+        reporter.message(f"resumed from {start.checkpoint} at step {progress.step}"
                          + (f" with changed settings: {', '.join(checked.changed)}" if checked.changed else ""))
     checkpointer = Checkpointer(engine, loader, run_dir, files, every=cfg.ckpt_every, last=cfg.max_steps,
                                 keep_last=cfg.keep_last, layout_step=layout_step, faults=faults,

@@ -6,8 +6,8 @@ math.
 """
 
 from .base import Design
-from .registry import ATTENTIONS, BY_LABEL, COCA_FORMS, DESIGNS, design_of
+from .registry import ATTENTIONS, BY_LABEL, DESIGNS, design_of
 from .rope import Rope, RopeTables, apply_rope
 
-__all__ = ["ATTENTIONS", "BY_LABEL", "COCA_FORMS", "DESIGNS", "Design", "Rope", "RopeTables", "apply_rope",
+__all__ = ["ATTENTIONS", "BY_LABEL", "DESIGNS", "Design", "Rope", "RopeTables", "apply_rope",
            "design_of"]

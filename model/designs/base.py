@@ -132,8 +132,9 @@ class Design:
     """One attention design of the registry (`model.designs.registry`).
 
     key: its name in run folders, figures and the study's comparisons (`coca_strict`).
-    attention, coca_form: the config values that select it (`model.attention`; `model.coca_form`
-      for CoCA's two forms, None where the design has no forms).
+    attention, form: the config values that select it (`model.attention`; and, for a design of
+      several forms, `model.design_params.<attention>.form`: CoCA's slack and strict; None where
+      the design has no forms).
     label: its name in evaluation results (`coca-strict`); name: in sentences (`CoCA strict`).
     colour: its colour in every figure. summary: one line on what it is.
     qk: q [B, H, T, D], k [B, kv heads, T, D] (the layer's K projection: CoCA's T), RoPE tables of
@@ -146,13 +147,14 @@ class Design:
     native_hf: exported as the architecture's own Hugging Face class (GPTNeoXForCausalLM,
       LlamaForCausalLM); otherwise as the remote-code model shipped with the export.
     from_origin: how an Origin model's weights become this design's (`model.convert`): "keep"
-      (every tensor as it is), "k_to_t" (K's rows become T, as they are or drawn afresh: `t_init`),
-      None (refused).
+      (every tensor as it is, a bias's parameters drawn afresh; where the design's params have a
+      `t_init`, "fresh" draws K's rows afresh: CoCA's T), None (refused).
     window: a sliding window of this many keys (the query's own included; 0: every earlier key).
     rotating_pairs: (params, rotary pairs) -> how many pairs rotate, the highest frequencies first
       (the rest get frequency 0: `Rope(pairs=...)`); None: all of them.
     params: the dataclass of the design's parameters, with their defaults and checks (the config's
-      `model.design_params.<key>.<name>`, the export's `design_params`); None: it has none.
+      `model.design_params.<attention>.<name>`, the export's `design_params`; the forms of one
+      attention share it); None: it has none.
     for_layer: (params, layer index, n_layer) -> the Design layer `index` runs (a parametrised
       transform, another design in some layers, a window); None: this record in every layer.
     """
@@ -166,7 +168,7 @@ class Design:
     qk: QKTransform = unchanged
     rope: bool = True
     bias: Optional[Callable[[int, int], ScoreBias]] = None
-    coca_form: Optional[str] = None
+    form: Optional[str] = None
     native_hf: bool = False
     from_origin: Optional[str] = None
     window: int = 0
@@ -174,9 +176,17 @@ class Design:
     params: Optional[type] = None
     for_layer: Optional[Callable[[Any, int, int], Design]] = None
 
-    def settings(self) -> dict[str, str]:
-        """The model-config fields that select this design, e.g. {"attention": "coca", "coca_form": "strict"}."""
-        return {"attention": self.attention, **({"coca_form": self.coca_form} if self.coca_form else {})}
+    def settings(self) -> dict[str, Any]:
+        """The model-config fields that select this design (`ModelConfig(**settings())`), e.g.
+        {"attention": "coca", "design_params": {"coca": {"form": "strict"}}}."""
+        form = {"design_params": {self.attention: {"form": self.form}}} if self.form else {}
+        return {"attention": self.attention, **form}
+
+    def overrides(self) -> list[str]:
+        """`settings()` as command-line overrides, e.g. ["model.attention=coca",
+        "model.design_params.coca.form=strict"]."""
+        form = [f"model.design_params.{self.attention}.form={self.form}"] if self.form else []
+        return [f"model.attention={self.attention}", *form]
 
     def layer(self, params: Any, index: int, n_layer: int) -> Design:
         """The design layer `index` of `n_layer` runs, under this design's `params`."""

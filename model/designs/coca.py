@@ -12,10 +12,35 @@ sum_d q_d^2 t_d (a position-free term). With rotary_pct = 1 this is exactly the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .base import Design
 from .rope import RopeTables, apply_rope
+
+FORMS = ("slack", "strict")
+T_INITS = ("from_k", "fresh")
+
+
+@dataclass
+class CocaParams:
+    """CoCA's parameters, `model.design_params.coca.<name>`:
+
+    form: slack (the released code) | strict (Eq. 9); it selects the registry record (`coca` or
+      `coca_strict`), as `model.attention` selects the others.
+    t_init: where T starts when `init_from` converts an Origin model (`model.convert`): from_k
+      (T = K, kept) | fresh (drawn as the model initialises K, what the released code does).
+    """
+
+    form: str = "slack"
+    t_init: str = "from_k"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("form", FORMS), ("t_init", T_INITS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.design_params.coca.{name}={getattr(self, name)!r} is not one of "
+                                 f"{', '.join(allowed)}")
 
 
 def coca_tie(t: torch.Tensor, rotary_dims: int) -> torch.Tensor:
@@ -50,12 +75,12 @@ def coca_strict_qk(q: torch.Tensor, k: torch.Tensor, rope: RopeTables) -> tuple[
 
 
 COCA_SLACK = Design(
-    key="coca", attention="coca", coca_form="slack", label="coca-slack", name="CoCA slack", colour="#ff7f0e",
+    key="coca", attention="coca", form="slack", label="coca-slack", name="CoCA slack", colour="#ff7f0e",
     summary="CoCA as released: k collinear with q per rotary pair (T replaces K)",
-    qk=coca_slack_qk, from_origin="k_to_t",
+    qk=coca_slack_qk, params=CocaParams, from_origin="keep",
 )
 COCA_STRICT = Design(
-    key="coca_strict", attention="coca", coca_form="strict", label="coca-strict", name="CoCA strict",
+    key="coca_strict", attention="coca", form="strict", label="coca-strict", name="CoCA strict",
     colour="#d62728", summary="CoCA as the paper's Eq. 9: purely relative, |q_j|^2 t_j cos((m - n) theta_j)",
-    qk=coca_strict_qk, from_origin="k_to_t",
+    qk=coca_strict_qk, params=CocaParams, from_origin="keep",
 )

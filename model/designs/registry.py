@@ -7,6 +7,8 @@ plots, the export and the benchmarks read this table).
 
 from __future__ import annotations
 
+from typing import Any
+
 from .alibi import ALIBI
 from .base import Design
 from .coca import COCA_SLACK, COCA_STRICT
@@ -18,17 +20,39 @@ from .nope import NOPE
 from .origin import ORIGIN
 from .prope import PROPE
 
-DESIGNS: dict[str, Design] = {d.key: d for d in (ORIGIN, ALIBI, COCA_SLACK, COCA_STRICT, NOPE, PROPE, HYBRID,
-                                                  KERPLE, FIRE, FOX)}
+_LISTED: tuple[Design, ...] = (ORIGIN, ALIBI, COCA_SLACK, COCA_STRICT, NOPE, PROPE, HYBRID, KERPLE, FIRE, FOX)
+DESIGNS: dict[str, Design] = {d.key: d for d in _LISTED}
 ATTENTIONS: tuple[str, ...] = tuple(dict.fromkeys(d.attention for d in DESIGNS.values()))  # model.attention
-COCA_FORMS: tuple[str, ...] = tuple(d.coca_form for d in DESIGNS.values() if d.coca_form)
 BY_LABEL: dict[str, Design] = {d.label: d for d in DESIGNS.values()}
 
 
-def design_of(attention: str, coca_form: str = "slack") -> Design:
-    """The design a config selects (`model.attention`, and `model.coca_form` for CoCA)."""
+def _check(designs: tuple[Design, ...]) -> None:
+    """Refuse a registry where a key, a label or a selection (attention and form) is taken twice, or
+    where the forms of one attention disagree on their parameters (they share one section)."""
+    for what, value in (("key", lambda d: d.key), ("label", lambda d: d.label),
+                        ("attention and form", lambda d: (d.attention, d.form))):
+        seen = [value(d) for d in designs]
+        twice = sorted({str(v) for v in seen if seen.count(v) > 1})
+        if twice:
+            raise ValueError(f"the registry lists {what} {twice[0]} twice")
+    for attention in ATTENTIONS:
+        params = {d.params for d in designs if d.attention == attention}
+        if len(params) > 1:
+            raise ValueError(f"the forms of attention={attention} have different params dataclasses")
+
+
+_check(_LISTED)
+
+
+def design_of(attention: str, design_params: Any = None) -> Design:
+    """The design a config selects: `model.attention` and, for a design of several forms (CoCA's),
+    the `form` of its section of `design_params` (a `DesignParams` or a dict; its first form by
+    default)."""
+    section = (design_params.get(attention) if isinstance(design_params, dict)
+               else getattr(design_params, attention, None))
+    form = section.get("form") if isinstance(section, dict) else getattr(section, "form", None)
     for design in DESIGNS.values():
-        if design.attention == attention and design.coca_form in (None, coca_form):
+        if design.attention == attention and (design.form is None or form is None or design.form == form):
             return design
-    raise ValueError(f"attention={attention!r}, coca_form={coca_form!r} is no design; attention is one of "
+    raise ValueError(f"attention={attention!r} with form={form!r} is no design; attention is one of "
                      f"{', '.join(ATTENTIONS)}")

@@ -138,6 +138,7 @@ class CudaOpCheck(TorchDispatchMode):
         score_mod that indexes a tensor needing gradients more than once has no GPU backward)."""
         from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
 
+        joint.graph.eliminate_dead_code()  # as the lowering does first
         try:
             validate_joint_graph(joint.graph)
         except NotImplementedError as error:

@@ -29,7 +29,7 @@
 #   bench_doc_mask   python -m bench.doc_mask: document-masked vs unmasked attention at 2K and 8K
 #   bench_sequence_parallel  python -m bench.sequence_parallel: one row at 16K-64K tokens on one GPU vs
 #                 two (NCCL); skipped, saying so, on a machine with one GPU
-#   gpu_path      dry run only: python -m bench.gpu_path --flex, the GPU path forced on the CPU (every
+#   gpu_path      dry run only: python -m bench.gpu_path, the GPU path forced on the CPU (every
 #                 op it dispatches has a CUDA kernel; compiled FlexAttention equals the CPU kernels)
 #   bench_train_compiled  bench_train with our blocks compiled, if time is left (GPU only)
 # tokens/s and MFU are the medians of the trainer's own per-step metrics after step 5 (the designs
@@ -75,7 +75,7 @@ if [ "$dry" = 1 ]; then
   bench_doc_mask=(--lengths 128 --repeats 1 --heads 2 --tokens 256 --attentions origin alibi --vocab-size 512 --memory-repeats 1
                 --sample-docs 60)
   bench_sp=(--lengths 256 512 --width 64 --heads 2)
-  gpu_path=(--flex alibi fox hybrid)  # the sweep: every design; compiled FlexAttention: three of them
+  gpu_path=(--designs alibi fox hybrid --flex)  # a distance bias, a gated bias, a window (all ten: tests/test_gpu_path.py)
   caps=(env=90 train=180 bench=300)  # generous: only a hang should reach them on a busy CPU
 else
   # The preset's model (350m, 512 tokens, bf16, activation checkpointing) and micro batch of 16,

@@ -23,7 +23,7 @@ from data.ruler.tasks import (
     zipf_counts,
 )
 from data.ruler.words import coded_words, common_words, needle, variable_names, word_list
-from data.synthetic import SyntheticCursor, split_block
+from data.synthetic import SyntheticCursor
 from data.tasks import held_out
 from eval.ruler.score import cell_interval, postprocess, string_match
 
@@ -330,11 +330,8 @@ def test_training_rows_are_the_evaluation_prompt_with_its_answer(tok, task, kw):
     cursor = SyntheticCursor(src, tok, seed=1, rank=0, worker=0)
     for _ in range(5):
         block = cursor.next_block(1024)
-        import torch
-
-        tokens, targets = split_block(torch.tensor(block[None]))
-        ids = tokens[0].tolist() + [int(abs(block[-1]) if block[-1] >= 0 else -block[-1] - 1)]
-        trained = [int(t) for t in targets[0] if t != -100]
+        ids = [t if t >= 0 else -t - 1 for t in block.tolist()]  # untrained positions are stored as -(id + 1)
+        trained = [t for t in block.tolist() if t >= 0]  # loss_on: answer: the answer alone
         text = tok.decode([t for t in ids if t != tok.eos_id])
         answer = tok.decode(trained)
         if task == "vt":

@@ -132,7 +132,7 @@ class SyntheticCursor:
     def _ruler_row(self, rng: random.Random, length: int) -> tuple[list[int], list[int]]:
         """A RULER prompt of `length` minus its answer's tokens, then the answer (training values)."""
         case = build_ruler_case(RULER_TASKS[self.src.task], self.encoder, length, rng, settings=self.settings,
-                                evaluation=False, prefix=self.prefix, budget=None)
+                                evaluation=False, prefix=self.prefix, training_row=True)
         answer = list(self.encoder(case.continuation))
         return case.tokens + answer, list(range(len(case.tokens), len(case.tokens) + len(answer)))
 

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+from scipy.special import zeta
+
 from data.config import RULER_DOWNLOAD_FREE
 from data.ruler.haystack import NOISE, Essay
 from data.ruler.words import coded_words, common_words, needle, variable_names
@@ -399,8 +401,6 @@ def _cwe(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, budget: 
 def zipf_counts(n_words: int, vocab: int, alpha: float = FWE_ALPHA) -> list[int]:
     """RULER's counts: word of rank k appears floor(n_words k^-alpha / zeta(alpha)) times; the
     words below the three answers (ranks 2-4) are capped one under the third."""
-    from scipy.special import zeta
-
     counts = [int(n_words * k**-alpha / zeta(alpha)) for k in range(1, vocab + 1)]
     if vocab > 4:
         counts[4:] = [min(c, counts[3] - 1) for c in counts[4:]]
@@ -415,7 +415,7 @@ def _fwe(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, budget: 
         raise TooShort(spec.name, length, 200 + (length - room))
     vocab = [FWE_NOISE] + coded_words(rng, vocab_size - 1)
     answers = tuple(vocab[1:4])
-    smallest = math.ceil(4**FWE_ALPHA * 1.6449340668482264)  # the fewest words that say the third answer once
+    smallest = math.ceil(4**FWE_ALPHA * zeta(FWE_ALPHA))  # the fewest words that say the third answer once
     head, tail = _split(FWE_TEMPLATE)
     layout_seed = rng.getrandbits(64)
 
@@ -433,11 +433,11 @@ def _fwe(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, budget: 
 
 def build_case(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, *, settings: Settings = Settings(),
                evaluation: bool = True, prefix: Sequence[int] = (), essay: Optional[Essay] = None,
-               budget: Optional[int] = -1) -> RulerCase:
-    """One case of `spec` at `length` tokens. `budget` -1: the settings' (else RULER's) answer
-    budget; None: the continuation's own tokens (a training row: prompt + continuation = length)."""
-    if budget == -1:
-        budget = spec.budget if settings.budget is None else settings.budget
+               training_row: bool = False) -> RulerCase:
+    """One case of `spec` at `length` tokens: the prompt and the settings' (else RULER's) answer
+    budget; a `training_row` instead leaves room for its continuation alone (prompt + continuation
+    = length) and asks a training value."""
+    budget = None if training_row else spec.budget if settings.budget is None else settings.budget
     if spec.needs_corpus and essay is None:
         raise ValueError(f"{spec.name} needs an essay haystack (a text corpus)")
     if spec.kind == "niah":

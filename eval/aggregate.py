@@ -213,7 +213,13 @@ def family_tests(cells: Cells, boots: Bootstraps, family: Family) -> list[dict]:
                 row |= {"tested": False, "n_a": len(setups.get((a, scaling_a), [])),
                         "n_b": len(setups.get((b, scaling_b), [])), "p": math.nan}
             rows.append(row)
-    adjusted, reject = stats.holm([r["p"] if r["tested"] else 1.0 for r in rows], family.alpha)
+    return adjust_family(rows, family.alpha)
+
+
+def adjust_family(rows: list[dict], alpha: float) -> list[dict]:
+    """Holm over a family's test rows, in place: `p_holm` and `significant` on each. A row not
+    tested enters with p = 1, so the family keeps the size it was registered with."""
+    adjusted, reject = stats.holm([r["p"] if r["tested"] else 1.0 for r in rows], alpha)
     for r, p_holm, significant in zip(rows, adjusted, reject):
         r["p_holm"] = float(p_holm) if r["tested"] else math.nan
         r["significant"] = bool(significant) and r["tested"]

@@ -40,7 +40,7 @@ from data.cli import OneLineParser
 from data.config import DataError, check_dir
 from errors import exit_code, report_error
 from eval import stats
-from eval.aggregate import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, NONE, run_cases
+from eval.aggregate import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, NONE, adjust_family, run_cases
 from eval.report import markdown, write_csv
 
 RUN_NAME = re.compile(r"(?P<design>.+)_d(?P<dose>\d+)_s(?P<seed>\d+)")
@@ -216,11 +216,7 @@ def family_tests(runs: Sequence[DoseRun], family: DoseFamily) -> list[dict]:
             row |= _one_group(list(growth(runs, t["design"], low, top, scaling, length).values()), key,
                               family.resamples, m, family.alpha)
         rows.append(row)
-    adjusted, reject = stats.holm([r["p"] if r["tested"] else 1.0 for r in rows], family.alpha)
-    for r, p_holm, significant in zip(rows, adjusted, reject):
-        r["p_holm"] = float(p_holm) if r["tested"] else math.nan
-        r["significant"] = bool(significant) and r["tested"]
-    return rows
+    return adjust_family(rows, family.alpha)
 
 
 # ----------------------------------------------------------------------------- summaries

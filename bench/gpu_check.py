@@ -9,6 +9,7 @@ anything is installed. Each `record` appends one JSON line to <out>/results.json
     python3 bench/gpu_check.py record OUT --stage z2_origin --rc 0 --seconds 41.2 --run RUN_DIR
     python3 bench/gpu_check.py record OUT --stage resume --rc 0 --seconds 30 --run RESUMED \\
         --reference REFERENCE_RUN --resume-step 20 --tol 5e-3
+    python3 bench/gpu_check.py estimate --designs "origin alibi" --steps 12 --batch 32 --parallel 5
 """
 
 from __future__ import annotations
@@ -296,6 +297,72 @@ def meta(args) -> int:
     return 0
 
 
+# ---- the time estimate, printed before the check starts ----------------------------------------------------
+# What the estimate assumes of an H200 (none of it measured yet: docs/GPU.md). The model work comes
+# from FLOPs; the rest is fixed costs per process, which dominate at 350M.
+H200_BF16 = 989e12  # dense bf16 FLOP/s (train/flops.py's table)
+TRAIN_MFU = 0.30  # eager PyTorch, activation checkpointing, 350M: the low end of the usual 30-45%
+COSTS = {  # seconds
+    "env": 25.0,  # install the wheels, import everything, nvidia-smi
+    "start": 15.0,  # python, torch, deepspeed, datasets imports; the 350M model built on the CPU, moved
+    "engine": 8.0,  # DeepSpeed's engine, the optimizer, the loader's first batch
+    "flex_train": 40.0,  # FlexAttention's forward and backward compiled to Triton, per design that uses it
+    "flex_forward": 10.0,  # its forward alone (generation), per design and precision
+    "checkpoint": 6.0,  # a 4.3 GB ZeRO 2 checkpoint written or read
+    "bench_train": 45.0, "bench_attention": 45.0, "bench_doc_mask": 40.0, "bench_sequence_parallel": 60.0,
+}
+FLEX_DESIGNS = {"alibi", "kerple", "fire", "fox", "hybrid"}  # score biases, the hybrid's window
+DECODE_STEP_S = 0.005  # a 350M decoding step at batch 1: kernel launches, not FLOPs (24 layers x ~15 kernels)
+
+
+def flops_per_token(n_layer=24, n_embd=1024, ffn=4096, vocab=4096, seq=512) -> float:
+    """A 350M GPT-NeoX's model FLOPs per trained token: 6 N + 12 L d T (train/flops.py's formula)."""
+    params = n_layer * (4 * n_embd * n_embd + 2 * n_embd * ffn) + vocab * n_embd
+    return 6 * params + 12 * n_layer * n_embd * seq
+
+
+def estimate(args) -> int:
+    """Per stage: its model FLOPs, the seconds they take at TRAIN_MFU of an H200, the fixed costs, and
+    the total against the budget; the trainer's designs run `parallel` at a time (the GPU's work
+    adds up, the processes' fixed costs overlap on the CPUs)."""
+    designs = args.designs.split()
+    step_flops = args.batch * 512 * flops_per_token() * 4 / 3  # activation checkpointing: one more forward
+    step_s = step_flops / (H200_BF16 * TRAIN_MFU)
+
+    def trainer(design: str, checkpoints: int = 0) -> float:
+        return (COSTS["start"] + COSTS["engine"] + COSTS["flex_train"] * (design in FLEX_DESIGNS)
+                + checkpoints * COSTS["checkpoint"])
+
+    rows = [("env", 0.0, COSTS["env"], "install, import")]
+    first, rest = designs[0], designs[1:]
+    waves = [rest[i : i + args.parallel] for i in range(0, len(rest), args.parallel)]  # gpu_check.sh's order
+    train_s = trainer(first, 2) + args.steps * step_s
+    train_s += sum(max(trainer(d) for d in wave) + len(wave) * args.steps * step_s for wave in waves)
+    rows.append((f"z2 x {len(designs)}", len(designs) * args.steps * step_flops, train_s,
+                 f"{first} alone (tokenizer, checkpoints), then the other {len(rest)}, {args.parallel} at a time"))
+    after = args.steps - args.resume_at
+    rows.append(("resume", after * step_flops, trainer(first, 1) + after * step_s, f"from step {args.resume_at}"))
+    gen_flops = 2 * len(designs) * (args.prompt + args.new) * flops_per_token() / 3  # forward: 2N per token
+    gen_s = COSTS["start"] + len(designs) * 2 * (args.new * DECODE_STEP_S + 0.5)
+    gen_s += sum(2 * COSTS["flex_forward"] for d in designs if d in FLEX_DESIGNS)
+    rows.append(("generation", gen_flops, gen_s, "every design, fp32 and bf16, greedy over the KV cache"))
+    for name in ("bench_train", "bench_attention", "bench_doc_mask"):
+        rows.append((name, 0.0, COSTS[name], "fixed costs and compiles dominate"))
+    if args.gpus >= 2:
+        rows.append(("bench_sequence_parallel", 0.0, COSTS["bench_sequence_parallel"], "two GPUs"))
+    total = sum(seconds for _, _, seconds, _ in rows)
+    print(f"Time estimate for an H200 (dense bf16 {H200_BF16 / 1e12:.0f} TFLOP/s at {TRAIN_MFU:.0%} MFU for "
+          f"the model work, fixed costs assumed per process: bench/gpu_check.py COSTS)\n")
+    print("| stage | model TFLOP | estimated s | what |\n|---|---|---|---|")
+    elapsed = 0.0
+    for name, flops, seconds, what in rows:
+        elapsed += seconds
+        late = "" if elapsed <= args.budget else f" (past the {args.budget:.0f} s budget: skipped if so)"
+        print(f"| {name} | {flops / 1e12:,.0f} | {seconds:.0f} | {what}{late} |")
+    print(f"\ntotal {total:.0f} s of the {args.budget:.0f} s budget")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -323,7 +390,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skipped", help="the stage did not run: why")
     p.add_argument("--note")
     p.add_argument("--meta", action="append", help="key=value stored with the stage")
+    p = sub.add_parser("estimate", help="the check's time on an H200, per stage, from FLOPs and fixed costs")
+    p.add_argument("--designs", required=True, help="the trainer's designs, space-separated")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--resume-at", type=int, required=True)
+    p.add_argument("--batch", type=int, required=True, help="sequences of 512 tokens per optimizer step")
+    p.add_argument("--parallel", type=int, default=1, help="trainer processes at a time")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--budget", type=float, default=480.0)
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return estimate(args)
     if args.command == "install":
         return install(args.wheels, args.target, args.plan)
     if args.command == "env":

@@ -1,41 +1,48 @@
 #!/usr/bin/env bash
 # The GPU check for a session that is lent one GPU (an H200 for 15 minutes, all tries together):
-# one call of at most 8 minutes (BUDGET_S=480) that runs the path a user takes, then the benchmarks.
+# one call of at most 8 minutes (BUDGET_S=480), its stages in order of value, each one's row in
+# $OUT/summary.md (and its table in $OUT/bench.md) as soon as it finishes.
 #
 #   bash bench/make_wheels.sh                   # here, once: .whl/ (git-ignored), what the image lacks
 #   bash bench/gpu_check.sh                     # there: OUT=<dir> (default gpu_check/) gets the results
-#   DRY_RUN=1 bash bench/gpu_check.sh           # the same stages on CPU, about 2 minutes (CI: tests/test_gpu_check.py)
+#   DRY_RUN=1 bash bench/gpu_check.sh           # every stage's CPU stand-in (CI: tests/test_gpu_check.py)
 #
-# Stages, in order (each with its own time limit, so one hang does not lose the rest; the results
-# are rewritten after every stage):
+# First it prints its time estimate per stage for an H200 (bench/gpu_check.py estimate: model FLOPs
+# at 30% of the dense bf16 peak, plus each process's fixed costs, stated there) into $OUT/estimate.md.
+# Stages, in order (each with its own time limit, so one hang does not lose the rest; a stage that no
+# longer fits in the budget is skipped and says so):
 #   env           install the carried wheels into $SITE (no network there), print versions
-#   z2_<variant>  the real trainer (`python -m train`), experiment=paper_350m_<variant> (350m, 512
-#                 tokens, bf16, activation checkpointing) on the stdlib corpus under ZeRO 2, for
-#                 origin, alibi, coca (slack), coca_strict: $STEPS steps (30), logged every step,
-#                 a checkpoint at the end; checks the loss falls by 5% and every value is finite
-#   z3_<variant>  the same under ZeRO 3 through the deepspeed launcher, for $Z3_VARIANTS (coca),
-#                 with a checkpoint at step $RESUME_AT (20) and at the end
-#   resume        a new run from that step-20 checkpoint (deepspeed launcher, ZeRO 3): its first
-#                 step must be 21 and its loss the uninterrupted run's (relative 2e-3 in bf16)
+#   z2_<design>   the real trainer (`python -m train`) on the 350M paper preset (512 tokens, bf16,
+#                 activation checkpointing) of each of the ten designs ($VARIANTS: the paper's presets
+#                 for origin, alibi, coca, coca_strict; paper_350m_origin with the design's attention
+#                 for the others), stdlib corpus, ZeRO 2, $STEPS steps (15) logged every step; the first
+#                 alone (it trains the tokenizer and checkpoints at $RESUME_AT and the end), then the
+#                 rest $PARALLEL (5) at a time on the one GPU (their FlexAttention compiles overlap on
+#                 the CPUs); checks the loss falls by 5% and every value is finite
+#   resume        a new run from the first design's step-$RESUME_AT checkpoint: its first step must be
+#                 $RESUME_AT + 1 with the uninterrupted run's loss (relative 2e-3 in bf16)
+#   generation    python -m bench.generation: every design's 350M model, fp32 and bf16 autocast, a
+#                 512-token prompt and 32 greedy tokens over the KV cache; the last cached step's
+#                 logits must equal a full forward's (the KV-cache bias path)
 #   bench_train   python -m bench.train: ours vs HF GPT-NeoX at 125m (vocabulary 50304), 350m MFU
-#   bench_attention  python -m bench.attention at 2K, 8K, 16K tokens, every design of the registry
-#                 (the bias designs ALiBi, KERPLE, FIRE, FoX on FlexAttention with captured parameters)
+#   bench_attention  python -m bench.attention at 2K and 8K tokens, every design of the registry
 #   bench_doc_mask   python -m bench.doc_mask: document-masked vs unmasked attention at 2K and 8K
-#   bench_sequence_parallel  python -m bench.sequence_parallel: per-rank peak memory and step time
-#                 of one row at 16K, 32K, 64K tokens, one GPU (P=1) vs two (P=2, NCCL); skipped,
-#                 saying so, on a machine with one GPU
-#   bench_train_compiled  the same as bench_train with our blocks compiled, if time is left
-# tokens/s and MFU are the medians of the trainer's own per-step metrics after step 5; peak memory
-# is the trainer's (torch.cuda.max_memory_allocated).
+#   bench_sequence_parallel  python -m bench.sequence_parallel: one row at 16K-64K tokens on one GPU vs
+#                 two (NCCL); skipped, saying so, on a machine with one GPU
+#   gpu_path      dry run only: python -m bench.gpu_path, the GPU path forced on the CPU (every
+#                 op it dispatches has a CUDA kernel; compiled FlexAttention equals the CPU kernels)
+#   bench_train_compiled  bench_train with our blocks compiled, if time is left (GPU only)
+# tokens/s and MFU are the medians of the trainer's own per-step metrics after step 5 (the designs
+# trained at once share the GPU: their tokens/s are not each one's alone; bench_train's MFU is);
+# peak memory is the trainer's (torch.cuda.max_memory_allocated).
 #
-# $OUT gets at most 6 small files: summary.md (the table), results.jsonl (one line per stage),
+# $OUT gets 7 small files: estimate.md, summary.md (the table), results.jsonl (one line per stage),
 # metrics.jsonl (every trainer record, with its stage), bench.md (the benchmark tables), env.txt
 # (versions, install plan), log.txt (the end of every stage's output).
-# Environment: OUT, BUDGET_S (seconds for the whole call: 480; stages that no longer fit are
-# skipped), STAGES (a space-separated subset to rerun, e.g. "env z2_alibi bench_attention"),
-# VARIANTS, Z3_VARIANTS ("origin alibi coca coca_strict" for all four: about 3 minutes more), STEPS,
-# WHEELS (.whl), SITE (/tmp/coca_site), WORK (scratch for runs and the tokenizer: /tmp/coca_gpu_check),
-# CAPS (each kind of stage's own time limit, e.g. "env=90 train=150 bench=150", the GPU's).
+# Environment: OUT, BUDGET_S (seconds for the whole call: 480), STAGES (a space-separated subset to
+# rerun, e.g. "env z2_alibi generation"), VARIANTS, PARALLEL, STEPS, RESUME_AT, WHEELS (.whl), SITE
+# (/tmp/coca_site), WORK (scratch for runs and the tokenizer: /tmp/coca_gpu_check), CAPS (each kind of
+# stage's own time limit, e.g. "env=90 train=150 bench=150", the GPU's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dry=${DRY_RUN:-0}
@@ -43,37 +50,43 @@ out=${OUT:-gpu_check}
 work=${WORK:-${TMPDIR:-/tmp}/coca_gpu_check}
 wheels=${WHEELS:-.whl}
 site=${SITE:-/tmp/coca_site}
-variants=${VARIANTS:-"origin alibi coca coca_strict"}
-z3s=${Z3_VARIANTS:-coca}  # ZeRO 3 runs; the first is the one resumed
-z3=${z3s%% *}
+# Every design of the registry: the baseline first (it is resumed), the FlexAttention ones next (their
+# compiles overlap in one wave), then the rest.
+variants=${VARIANTS:-"origin alibi kerple fire fox hybrid coca coca_strict nope prope"}
+first=${variants%% *}
 only=${STAGES:-}
 py=python3
 export PYTHONUNBUFFERED=1 TRAIN_TRACEBACK=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 mkdir -p "$out"
-rm -f "$out"/{summary.md,results.jsonl,metrics.jsonl,bench.md,env.txt,log.txt}
+rm -f "$out"/{estimate.md,summary.md,results.jsonl,metrics.jsonl,bench.md,env.txt,log.txt}
 rm -rf "$work/runs" "$work/logs"  # the tokenizer cache ($work/cache) may stay: it is keyed by its spec
 mkdir -p "$work/logs" "$work/runs"
 
 if [ "$dry" = 1 ]; then
-  # CPU: the presets' attention and training path, the tiny model at 64 tokens, fp32, 8 steps.
-  budget=${BUDGET_S:-600}; steps=${STEPS:-8}; resume_at=${RESUME_AT:-5}; tol=1e-5; min_stage=5
+  # CPU: the presets' attention and training path, the tiny model at 64 tokens, fp32, 8 steps, one at a time.
+  budget=${BUDGET_S:-900}; steps=${STEPS:-8}; resume_at=${RESUME_AT:-5}; tol=1e-5; min_stage=5
+  parallel=${PARALLEL:-1}
   size=(model=tiny model.max_seq_len=64 deepspeed.precision=fp32 data.tokenizer.vocab_size=512
         data.tokenizer.sample_docs=60 data.num_workers=0 data.shuffle_buffer=16
         batch_size=4 micro_batch_size=2 optim.lr=3e-3 optim.warmup_steps=2)
+  generation=(--flavor tiny --prompt 48 --new 4 --vocab-size 512)
   bench_train=(--flavors tiny --steps 2)
   bench_attention=(--lengths 128 --repeats 1 --heads 2 --variants origin alibi)
   bench_doc_mask=(--lengths 128 --repeats 1 --heads 2 --tokens 256 --attentions origin alibi --vocab-size 512 --memory-repeats 1
                 --sample-docs 60)
   bench_sp=(--lengths 256 512 --width 64 --heads 2)
-  caps=(env=90 train=180 bench=180)  # generous: only a hang should reach them on a busy CPU
+  gpu_path=(--designs alibi fox hybrid --flex)  # a distance bias, a gated bias, a window (all ten: tests/test_gpu_path.py)
+  caps=(env=90 train=180 bench=300)  # generous: only a hang should reach them on a busy CPU
 else
   # The preset's model (350m, 512 tokens, bf16, activation checkpointing) and micro batch of 16,
-  # 4 micro-batches per optimizer step (64 x 512 = 32,768 tokens).
-  budget=${BUDGET_S:-480}; steps=${STEPS:-30}; resume_at=${RESUME_AT:-20}; tol=2e-3; min_stage=20
+  # 2 micro-batches per optimizer step (32 x 512 = 16,384 tokens).
+  budget=${BUDGET_S:-480}; steps=${STEPS:-15}; resume_at=${RESUME_AT:-10}; tol=2e-3; min_stage=20
+  parallel=${PARALLEL:-5}
   # Four loader workers (of 16 CPUs) so that tokenizing never limits tokens/s.
-  size=(batch_size=64 micro_batch_size=16 optim.warmup_steps=5 data.num_workers=4)
+  size=(batch_size=32 micro_batch_size=16 optim.warmup_steps=5 data.num_workers=4)
+  generation=(--flavor 350m --prompt 512 --new 32)
   bench_train=(--flavors 125m --steps 10 --vocab-size 50304)
-  bench_attention=(--lengths 2048 8192 16384 --repeats 3)
+  bench_attention=(--lengths 2048 8192 --repeats 3)
   bench_doc_mask=(--lengths 2048 8192 --repeats 3)
   bench_sp=(--device cuda --lengths 16384 32768 65536 --layers 4 --width 1024 --heads 16 --repeats 3)
   caps=(env=90 train=150 bench=150)
@@ -81,17 +94,27 @@ fi
 [ -n "${CAPS:-}" ] && read -ra caps <<< "$CAPS"  # e.g. CAPS="env=600 train=900 bench=900" on a busy CPU
 cap() { local kv; for kv in "${caps[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 common=(data=stdlib logger=none logger.progress=false logger.log_every=1 "data.cache_dir=$work/cache"
-        "max_steps=$steps" "eval_every=$steps" eval_batches=2 keep_last=2 "${size[@]}")
+        "max_steps=$steps" "eval_every=$steps" eval_batches=2 keep_last=2 deepspeed=zero2 "${size[@]}")
 t0=$SECONDS
 reserve=10
 failed=0
+gpus=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
 report() { "$py" bench/gpu_check.py record "$out" "$@" >> "$out/log.txt" 2>&1 || true; tail -n 1 "$out/log.txt"; }
 wanted() { [ -z "$only" ] || [ "$1" = env ] || [[ " $only " == *" $1 "* ]]; }
 
-# stage NAME LIMIT command...: run with a time limit (whole process group), log to $work/logs/NAME.log,
-# keep its last lines in $OUT/log.txt. Sets $rc and $secs; returns 1 if skipped for lack of time.
-stage() {
+# ---- the estimate, before anything runs ------------------------------------------------------------
+# Of the GPU run (the dry run's own steps and budget are the CPU stand-ins').
+est=(--steps "$steps" --resume-at "$resume_at" --parallel "$parallel" --budget "$budget")
+[ "$dry" = 1 ] && est=(--steps 15 --resume-at 10 --parallel 5 --budget 480)
+"$py" bench/gpu_check.py estimate --designs "$variants" --batch 32 --gpus "$gpus" "${est[@]}" | tee "$out/estimate.md"
+[ "$dry" = 1 ] && echo "(dry run: the estimate is of the GPU run; this CPU runs the stand-ins below)" | tee -a "$out/estimate.md"
+
+# launch NAME LIMIT command...: start a stage in the background with a time limit (whole process
+# group), its output in $work/logs/NAME.log; `finish NAME` waits for it and sets $rc and $secs.
+# Returns 1 (and reports the stage skipped) when it no longer fits in the budget.
+declare -A pids
+launch() {
   local name=$1 limit=$2; shift 2
   local left=$(( budget - (SECONDS - t0) - reserve ))
   if (( left < min_stage )); then
@@ -100,31 +123,31 @@ stage() {
   fi
   (( limit > left )) && limit=$left
   echo "== $name (limit ${limit} s): $*" | tee -a "$out/log.txt"
-  local start; start=$(date +%s.%N)
-  timeout -k 10 "$limit" "$@" > "$work/logs/$name.log" 2>&1
-  rc=$?
-  secs=$(awk "BEGIN {print $(date +%s.%N) - $start}")
+  ( start=$(date +%s.%N); timeout -k 10 "$limit" "$@" > "$work/logs/$name.log" 2>&1; code=$?
+    echo "$code $(awk "BEGIN {print $(date +%s.%N) - $start}")" > "$work/logs/$name.rc" ) &
+  pids[$name]=$!
+}
+finish() {
+  local name=$1
+  wait "${pids[$name]}"
+  read -r rc secs < "$work/logs/$name.rc"
   local keep=60; [ "$rc" = 0 ] || keep=300
   { echo "-- $name: exit $rc after ${secs%.*} s; last $keep lines:"; tail -n "$keep" "$work/logs/$name.log"; } >> "$out/log.txt"
-  return 0
 }
+stage() { launch "$@" || return 1; finish "$1"; }
 
 free_port() { "$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
-# train_stage NAME LAUNCHER(plain|deepspeed) OVERRIDES...: one training run, judged from its metrics.
-trainer_ok=1
-train_stage() {
-  local name=$1 launcher=$2; shift 2
-  wanted "$name" || return 0
-  if [ "$trainer_ok" != 1 ]; then report --stage "$name" --skipped "the env stage failed (see env.txt)"; return 0; fi
-  local cmd=("$py" -m train)
-  [ "$launcher" = deepspeed ] && cmd=("$py" -m deepspeed.launcher.runner --num_gpus 1 --master_port "$(free_port)" --module train)
-  stage "$name" "$(cap train)" "${cmd[@]}" "$@" "run_dir=$work/runs/$name" || return 0
-  report --stage "$name" --rc "$rc" --seconds "$secs" --run "$work/runs/$name" --meta "launcher=$launcher"
-  [ "$rc" = 0 ] || failed=1
+# The overrides that train design $1 on its 350M preset: the paper's own where it has one.
+preset() {
+  case "$1" in
+    origin|alibi|coca|coca_strict) echo "experiment=paper_350m_$1" ;;
+    *) echo "experiment=paper_350m_origin model.attention=$1 name=paper_350m_$1" ;;
+  esac
 }
 
 # ---- env -----------------------------------------------------------------------------------------
+trainer_ok=1
 if wanted env; then
   plan=(); [ "$dry" = 1 ] && plan=(--plan)
   if stage env "$(cap env)" "$py" bench/gpu_check.py env "$wheels" "$site" "${plan[@]}"; then
@@ -143,34 +166,50 @@ if wanted env; then
 fi
 [ "$dry" = 1 ] || export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 
-# ---- the trainer ---------------------------------------------------------------------------------
-for v in $variants; do
-  train_stage "z2_$v" plain "experiment=paper_350m_$v" deepspeed=zero2 "${common[@]}" "ckpt_every=$steps"
-  rm -rf "$work/runs/z2_$v/checkpoints"  # GBs each on the GPU
+# ---- the trainer: every design, the first alone, then $parallel at a time ---------------------------
+# train_launch NAME DESIGN OVERRIDES...: start one training run; train_finish NAME judges it from its metrics.
+train_launch() {
+  local name=$1 design=$2; shift 2
+  wanted "$name" || return 1
+  if [ "$trainer_ok" != 1 ]; then report --stage "$name" --skipped "the env stage failed (see env.txt)"; return 1; fi
+  # shellcheck disable=SC2046  # the preset's overrides are words
+  launch "$name" "$(cap train)" "$py" -m train $(preset "$design") "${common[@]}" "$@" "run_dir=$work/runs/$name"
+}
+train_finish() {
+  finish "$1"
+  report --stage "$1" --rc "$rc" --seconds "$secs" --run "$work/runs/$1" --meta "design=$2"
+  [ "$rc" = 0 ] || failed=1
+  [ "$2" = "$first" ] || rm -rf "$work/runs/$1/checkpoints"  # GBs each on the GPU
+}
+train_launch "z2_$first" "$first" "ckpt_every=$resume_at" && train_finish "z2_$first" "$first"
+wave=()
+for v in ${variants#"$first"} ""; do
+  [ -n "$v" ] && train_launch "z2_$v" "$v" "ckpt_every=$steps" && wave+=("$v")
+  if [ "${#wave[@]}" -ge "$parallel" ] || { [ -z "$v" ] && [ "${#wave[@]}" -gt 0 ]; }; then
+    for w in "${wave[@]}"; do train_finish "z2_$w" "$w"; done
+    wave=()
+  fi
 done
-for v in $z3s; do
-  train_stage "z3_$v" deepspeed "experiment=paper_350m_$v" deepspeed=zero3 "${common[@]}" "ckpt_every=$resume_at"
-  [ "$v" = "$z3" ] || rm -rf "$work/runs/z3_$v/checkpoints"
-done
+
 if wanted resume; then
-  ckpt=$(printf '%s/runs/z3_%s/checkpoints/step_%08d' "$work" "$z3" "$resume_at")
+  ckpt=$(printf '%s/runs/z2_%s/checkpoints/step_%08d' "$work" "$first" "$resume_at")
   if [ "$trainer_ok" != 1 ]; then
     report --stage resume --skipped "the env stage failed (see env.txt)"
   elif [ -f "$ckpt/COMPLETE" ]; then
-    if stage resume "$(cap train)" "$py" -m deepspeed.launcher.runner --num_gpus 1 --master_port "$(free_port)" \
-        --module train "experiment=paper_350m_$z3" deepspeed=zero3 "${common[@]}" "ckpt_every=$resume_at" \
+    # shellcheck disable=SC2046
+    if stage resume "$(cap train)" "$py" -m train $(preset "$first") "${common[@]}" "ckpt_every=$resume_at" \
         "resume=$ckpt" "run_dir=$work/runs/resume"; then
-      report --stage resume --rc "$rc" --seconds "$secs" --run "$work/runs/resume" --reference "$work/runs/z3_$z3" \
-        --resume-step "$resume_at" --tol "$tol" --meta "launcher=deepspeed"
+      report --stage resume --rc "$rc" --seconds "$secs" --run "$work/runs/resume" --reference "$work/runs/z2_$first" \
+        --resume-step "$resume_at" --tol "$tol" --meta "design=$first"
       [ "$rc" = 0 ] || failed=1
     fi
   else
-    report --stage resume --skipped "no complete checkpoint at step $resume_at of z3_$z3"
+    report --stage resume --skipped "no complete checkpoint at step $resume_at of z2_$first"
   fi
 fi
-rm -rf "$work/runs/z3_$z3/checkpoints" "$work/runs/resume/checkpoints"
+rm -rf "$work/runs/z2_$first/checkpoints" "$work/runs/resume/checkpoints"
 
-# ---- the benchmarks ------------------------------------------------------------------------------
+# ---- generation, then the benchmarks ------------------------------------------------------------------
 bench_stage() {
   local name=$1; shift
   wanted "$name" || return 0
@@ -179,11 +218,12 @@ bench_stage() {
   report --stage "$name" --rc "$rc" --seconds "$secs"
   [ "$rc" = 0 ] || failed=1
 }
+# shellcheck disable=SC2086
+bench_stage generation "$py" -m bench.generation "${generation[@]}" --designs $variants
 bench_stage bench_train "$py" -m bench.train "${bench_train[@]}"
 bench_stage bench_attention "$py" -m bench.attention "${bench_attention[@]}"
 bench_stage bench_doc_mask "$py" -m bench.doc_mask "${bench_doc_mask[@]}" --cache-dir "$work/cache"
 if wanted bench_sequence_parallel; then
-  gpus=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ "$dry" != 1 ] && [ "${gpus:-0}" -lt 2 ]; then
     report --stage bench_sequence_parallel --skipped "sequence parallelism (P=2) needs 2 GPUs; this machine has $gpus"
   else
@@ -191,8 +231,10 @@ if wanted bench_sequence_parallel; then
   fi
 fi
 if [ "$dry" = 1 ]; then
+  bench_stage gpu_path "$py" -m bench.gpu_path "${gpu_path[@]}"
   wanted bench_train_compiled && report --stage bench_train_compiled --skipped "dry run: compiling on a 2-core CPU takes minutes"
 else
+  wanted gpu_path && report --stage gpu_path --skipped "a CPU check (the GPU path forced on CPU tensors): the dry run runs it"
   bench_stage bench_train_compiled "$py" -m bench.train "${bench_train[@]}" --compile
 fi
 

@@ -12,7 +12,9 @@ from errors import EXIT_INPUT
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SOURCE_KINDS = ("stdlib", "files", "hub", "tokens", "synthetic")
 TEXT_KINDS = ("stdlib", "files", "hub")
-SYNTHETIC_TASKS = ("passkey", "recall")
+# RULER's tasks that need no download (its noise and needle haystacks: `data.ruler.tasks`)
+RULER_DOWNLOAD_FREE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
+SYNTHETIC_TASKS = ("passkey", "recall") + RULER_DOWNLOAD_FREE
 LOSS_ON = ("all", "answer")
 SPLITS = ("train", "val", "test")
 
@@ -56,8 +58,11 @@ class SourceConfig:
     `python -m data.prepare`), `synthetic` (generated retrieval rows, `data.synthetic`).
     split: hub split names for train,val,test (comma separated); unused by other kinds.
     weight: share of the training blocks drawn from this source in a mixture.
-    task: for `synthetic`: `passkey` (the evaluation's prompt, random key, depth and length) or
-      `recall` (multi-query associative recall, `queries` queries per row).
+    task: for `synthetic`: `passkey` (the evaluation's prompt, random key, depth and length),
+      `recall` (multi-query associative recall, `queries` queries per row), or one of RULER's
+      download-free tasks (`data.ruler`: niah_single_1, niah_multikey_2, niah_multikey_3, vt, cwe,
+      fwe; the prompt filled to the row's length, then a right answer, without one-shot examples).
+    hops, chains: for `synthetic` task `vt`: the chains of assignments (RULER's vt: 4 hops, 1 chain).
     loss_on: for `synthetic`: `all` tokens of a row are trained on, or only the `answer` tokens.
     min_len: for `synthetic`: shortest row in tokens; 0: the shortest prompt. Rows are drawn
       uniformly between it and the block length, one per block (the rest is untrained padding).
@@ -74,6 +79,8 @@ class SourceConfig:
     loss_on: str = "all"
     queries: int = 8
     min_len: int = 0
+    hops: int = 4
+    chains: int = 1
 
     def __post_init__(self) -> None:
         _check_choice("data.sources.kind", self.kind, SOURCE_KINDS)
@@ -81,6 +88,8 @@ class SourceConfig:
         _check_choice("data.sources.loss_on", self.loss_on, LOSS_ON)
         if self.queries < 1 or self.min_len < 0:
             raise ValueError(f"data.sources.queries={self.queries} must be >= 1 and min_len={self.min_len} >= 0")
+        if self.hops < 1 or self.chains < 1:
+            raise ValueError(f"data.sources.hops={self.hops} and chains={self.chains} must be >= 1")
         if self.kind in ("files", "tokens") and not self.path:
             raise ValueError(f"data.sources.path is required for kind={self.kind!r}")
         if self.kind == "hub" and not self.name:

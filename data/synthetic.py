@@ -1,10 +1,12 @@
 """Synthetic retrieval rows (`kind: synthetic`) as a source of the packed stream.
 
 Each block holds one row: a passkey or recall prompt (`data.tasks`, the evaluation's own builder)
-of a random length between `min_len` and the block length, starting with EOS like every document,
-then EOS padding. Row k of consumer (rank, worker) is a pure function of (seed, rank, worker, k),
-so the cursor's state is the row count: infinite, deterministic, and exactly resumable. Keys are
-always training keys (`data.tasks.held_out` reserves the evaluation keys).
+or a RULER task's prompt and a right answer (`data.ruler`, the evaluation's builder too, filled
+exactly to the row's length) of a random length between `min_len` and the block length, starting
+with EOS like every document, then EOS padding. Row k of consumer (rank, worker) is a pure
+function of (seed, rank, worker, k), so the cursor's state is the row count: infinite,
+deterministic, and exactly resumable. Keys are always training keys (`data.tasks.held_out`
+reserves the evaluation keys; RULER rows: the asked values).
 
 Positions that are not trained on are stored as `-(id + 1)` (see `split_block`): padding always,
 and everything but the answer tokens with `loss_on: answer`. That keeps a block one integer
@@ -19,7 +21,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from data.config import SourceConfig
+from data.config import RULER_DOWNLOAD_FREE, SourceConfig
+from data.ruler.tasks import TASKS as RULER_TASKS
+from data.ruler.tasks import Encoder, Settings, TooShort
+from data.ruler.tasks import build_case as build_ruler_case
 from data.tasks import (
     build_case,
     build_recall,
@@ -70,7 +75,15 @@ class SyntheticCursor:
         self.seed, self.rank, self.worker = seed, rank, worker
         self.layout = [layout_step] if layout_step else []
         self.prefix = [tokenizer.eos_id]
-        if src.task == "passkey":
+        if src.task in RULER_DOWNLOAD_FREE:
+            self.encoder = Encoder(tokenizer)
+            self.settings = Settings(hops=src.hops, chains=src.chains, fewshot=False)
+            self.shortest = 1
+            try:
+                self._ruler_row(random.Random(0), 1)
+            except TooShort as e:
+                self.shortest = e.needed
+        elif src.task == "passkey":
             self.shortest = passkey_min_length(tokenizer, self.prefix)
         else:
             self.vocab = recall_vocab(tokenizer)
@@ -97,6 +110,15 @@ class SyntheticCursor:
             )
         rng = self._rng(k)
         length = rng.randint(self.shortest, n)
+        if self.src.task in RULER_DOWNLOAD_FREE:
+            try:
+                return self._ruler_row(rng, length)
+            except TooShort:  # these needles need more tokens than the first draw's
+                try:
+                    return self._ruler_row(self._rng(k), n)
+                except TooShort as e:
+                    raise ValueError(f"source {self.src.describe()}: a row needs {e.needed} tokens, more than a "
+                                     f"training block ({n}): raise model.max_seq_len") from None
         if self.src.task == "passkey":
             key, depth = draw_passkey(rng, evaluation=False), rng.random()
             try:
@@ -106,6 +128,13 @@ class SyntheticCursor:
             return case.tokens, case.answer_positions
         case = build_recall(self.vocab, length, self.src.queries, rng, evaluation=False, prefix=self.prefix)
         return case.tokens, case.answer_positions
+
+    def _ruler_row(self, rng: random.Random, length: int) -> tuple[list[int], list[int]]:
+        """A RULER prompt of `length` minus its answer's tokens, then the answer (training values)."""
+        case = build_ruler_case(RULER_TASKS[self.src.task], self.encoder, length, rng, settings=self.settings,
+                                evaluation=False, prefix=self.prefix, training_row=True)
+        answer = list(self.encoder(case.continuation))
+        return case.tokens + answer, list(range(len(case.tokens), len(case.tokens) + len(answer)))
 
     def next_block(self, n: int) -> np.ndarray:
         tokens, answers = self.row(self.rows, n)

@@ -1,4 +1,4 @@
-"""`python -m eval run=<run dir or checkpoint> task=ppl|passkey|recall|attention|all key=value ...`
+"""`python -m eval run=<run dir or checkpoint> task=ppl|passkey|recall|attention|position_loss|ruler|all key=value ...`
 
 Loads the model once, runs the tasks under each RoPE scaling, writes `<run>/eval/<task>.json` and
 the tables and figures (`eval.report`), and logs them to W&B. Bad input ends with a one-line
@@ -31,11 +31,15 @@ from omegaconf.errors import OmegaConfBaseException
 from data.cli import booleans_only, compose_tree, exit_code, validated
 from data.config import DataConfig, DataError, check_dir
 from data.documents import long_documents
+from data.ruler.haystack import read_essay
+from data.ruler.tasks import TASKS as RULER_TASKS
+from data.ruler.tasks import Encoder, TooShort
+from data.ruler.tasks import make_cases as make_ruler_cases
 from data.sources import by_document, source_files
 from data.tasks import make_cases, make_recall_cases, recall_vocab
 from data.tokenizer import Tokenizer
 from errors import UsageError, UserError, report_error
-from eval import report
+from eval import long_context_report, report
 from eval.config import EvalConfig, Scaling, default_lengths
 from eval.sweep import (
     applicable,
@@ -43,8 +47,10 @@ from eval.sweep import (
     rope_request_refusal,
     sweep_attention,
     sweep_passkey,
+    sweep_position_loss,
     sweep_ppl,
     sweep_recall,
+    sweep_ruler,
 )
 from eval.wandb_log import log_to_wandb
 from model import GPT
@@ -220,7 +226,52 @@ def run_attention(s: Session) -> dict:
     return {"rows": rows, "length": length, "sigma": c.sigma, "window": c.window, "layers": layers, "notes": notes}
 
 
-TASK_RUNNERS = {"ppl": run_ppl, "passkey": run_passkey, "recall": run_recall, "attention": run_attention}
+def run_position_loss(s: Session) -> dict:
+    c = s.cfg.position_loss
+    length = c.length or max(s.cfg.ppl.lengths or default_lengths(s.train_len))
+    scalings, notes = s.scalings()
+    docs = s.documents(length + 1, c.n_docs)
+    rows, curves = sweep_position_loss(s.model, docs, length, s.train_len, scalings, s.trained, s.cfg.progress)
+    return {"rows": rows, "curves": curves, "length": length, "n_docs": len(docs), "notes": notes}
+
+
+def run_ruler(s: Session) -> dict:
+    """Every task at every length (default: 1x .. 32x, skipping with a note those a task's prompt
+    does not fit; lengths given must fit), under each scaling."""
+    c = s.cfg.ruler
+    scalings, notes = s.scalings()
+    lengths = c.lengths or default_lengths(s.train_len, 32)
+    essay = None
+    if any(RULER_TASKS[t].needs_corpus for t in c.names):
+        try:
+            essay = read_essay(s.data, max(lengths), s.cfg.split, s.cfg.seed, s.whole)
+        except ValueError as e:
+            raise EvalError(str(e)) from None
+    encoder, cases, skipped = Encoder(s.tokenizer), [], {}
+    for task in c.names:
+        for length in lengths:
+            try:
+                cases += make_ruler_cases(task, s.tokenizer, length, c.cases, s.meta["prompt_seed"],
+                                          stream=s.meta["prompt_stream"], settings=c.settings(), prefix=s.prefix,
+                                          essay=essay, encoder=encoder)
+            except TooShort as e:
+                if c.lengths:
+                    raise EvalError(f"ruler.lengths: {e}") from None
+                skipped.setdefault(task, []).append((length, e.needed))
+            except ValueError as e:
+                raise EvalError(f"ruler: {e}") from None
+    skipped_notes = [f"{task}: length {', '.join(str(n) for n, _ in fail)} skipped, shorter than its prompt without "
+                     f"haystack and its answer budget (up to {max(k for _, k in fail)} tokens)"
+                     for task, fail in skipped.items()]
+    if not cases:
+        raise EvalError("no RULER task fits any length: " + "; ".join(skipped_notes))
+    records = sweep_ruler(s.model, cases, s.tokenizer, scalings, s.trained, c.batch_tokens, s.cfg.progress)
+    return {"cases": records, "tasks": c.names, "budget": c.budget, "hops": c.hops, "chains": c.chains,
+            "fewshot": c.fewshot, "essay": essay.source if essay else None, "notes": notes + skipped_notes}
+
+
+TASK_RUNNERS = {"ppl": run_ppl, "passkey": run_passkey, "recall": run_recall, "attention": run_attention,
+                "position_loss": run_position_loss, "ruler": run_ruler}
 
 
 def evaluate(cfg: EvalConfig) -> dict[str, list[Path]]:
@@ -236,6 +287,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, list[Path]]:
         payload["peak_rss_mb"] = round(peak_rss_mb(), 1)
         report.save_json(session.out / f"{task}.json", payload)
     written = report.render(report.run_results(session.out), session.out)
+    written.update(long_context_report.render_run(session.out))
     log_to_wandb(cfg, session.train_cfg, run_dir_of(Path(cfg.run)), session.out, written)
     return written
 
@@ -256,8 +308,10 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-USAGE = """usage: python -m eval run=<run dir or checkpoint> [task=ppl|passkey|recall|attention|all] [key=value ...]
+USAGE = """usage: python -m eval run=<run dir or checkpoint> [task=ppl|passkey|recall|attention|position_loss|ruler|all]
+             [key=value ...]
   e.g.  python -m eval run=runs/tiny task=ppl ppl.lengths=[128,512,2048] ppl.n_docs=5
+        python -m eval run=runs/tiny task=ruler ruler.tasks=[niah_single_1,vt] ruler.lengths=[512,1024] ruler.cases=20
         python -m eval run=runs/tiny scalings=[none,dynamic:2,dynamic:4,dynamic:8]
         python -m eval run=runs/tiny task=passkey model.rope_scaling.type=dynamic model.rope_scaling.factor=4
   keys: eval/config.py (the schema; conf/eval.yaml composes it); --cfg job prints the composed config"""

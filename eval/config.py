@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from data.config import SourceConfig, check_split
+from data.ruler.tasks import TASKS as RULER_TASKS
+from data.ruler.tasks import Settings
 from model.config import parse_scaling
 
-TASKS = ("ppl", "passkey", "recall", "attention")
-TASK_CHOICES = TASKS + ("all",)
+TASKS = ("ppl", "passkey", "recall", "attention", "position_loss")  # `all`; `ruler` is asked for by name
+TASK_CHOICES = TASKS + ("ruler", "all")
 PASSKEY_MODES = ("teacher", "generate")
 WANDB_MODES = ("auto", "offline", "online", "disabled")
 PROMPT_SEEDS = ("run", "fixed")  # or a non-negative integer
@@ -175,6 +177,70 @@ class AttentionConfig:
 
 
 @dataclass
+class RulerConfig:
+    """RULER's synthetic tasks (`data.ruler` builds the prompts, `eval.ruler` scores them).
+
+    tasks: task names of RULER's synthetic.yaml; empty: all eleven (the essay haystacks are read
+      from the evaluation corpus, `sources`/`split`). qa_1 and qa_2 need SQuAD / HotpotQA: not here.
+    lengths: tokens of prompt + answer budget (RULER's max_seq_length), in the model's tokens;
+      empty: 1x .. 32x the training length, skipping with a note those too short for a task
+      (lengths given must all fit).
+    cases: cases per task, length and scaling.
+    budget: answer tokens generated (greedy); null: RULER's per task (NIAH 128, VT 30, CWE 120, FWE 50).
+    hops, chains: variable tracking's chains (RULER's vt: 4 hops, 1 chain).
+    fewshot: RULER's one-shot example in the VT and CWE prompts (off: the task prompt alone, shorter).
+    batch_tokens: cases of one task and length share a forward and KV cache, up to this many tokens.
+    """
+
+    tasks: list[str] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    cases: int = 20
+    budget: Optional[int] = None
+    hops: int = 4
+    chains: int = 1
+    fewshot: bool = True
+    batch_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        for task in self.tasks:
+            if task not in RULER_TASKS:
+                extra = " (RULER's qa tasks need SQuAD / HotpotQA downloads)" if task.startswith("qa") else ""
+                raise ValueError(f"ruler.tasks: {task!r} is not one of {', '.join(RULER_TASKS)}{extra}")
+        _positive_list("ruler.lengths", self.lengths)
+        for name in ("cases", "hops", "chains", "batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ruler.{name}={getattr(self, name)} must be >= 1")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"ruler.budget={self.budget} must be >= 1 (null: RULER's per task)")
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tasks) or list(RULER_TASKS)
+
+    def settings(self) -> Settings:
+        return Settings(budget=self.budget, hops=self.hops, chains=self.chains, fewshot=self.fewshot)
+
+
+@dataclass
+class PositionLossConfig:
+    """Mean loss at each token position over held-out documents read whole (`eval.position_loss`).
+
+    length: positions; null: the longest perplexity length (`ppl.lengths`, else 64x the training length).
+    n_docs: documents of the evaluation split with at least length + 1 tokens (the same as ppl's
+      when they have the same length).
+    """
+
+    length: Optional[int] = None
+    n_docs: int = 5
+
+    def __post_init__(self) -> None:
+        if self.length is not None and self.length < 2:
+            raise ValueError(f"position_loss.length={self.length} must be >= 2")
+        if self.n_docs < 1:
+            raise ValueError(f"position_loss.n_docs={self.n_docs} must be >= 1")
+
+
+@dataclass
 class EvalWandbConfig:
     """W&B logging of the tables and figures; mode null: the run's logger mode (auto: online with
     credentials, else offline)."""
@@ -189,10 +255,11 @@ class EvalWandbConfig:
 
 @dataclass
 class EvalConfig:
-    """`python -m eval run=<run dir or checkpoint> task=ppl|passkey|attention|all key=value ...`
+    """`python -m eval run=<run dir or checkpoint> task=ppl|passkey|recall|attention|position_loss|ruler|all ...`
 
     run: a training run directory (newest complete checkpoint) or one checkpoint directory.
-    scalings: RoPE scalings swept for ppl and passkey, e.g. [none, dynamic:2, dynamic:4];
+    task: one task, or all (every task but ruler, which generates and is asked for by name).
+    scalings: RoPE scalings swept for ppl, passkey, recall, position_loss and ruler, e.g. [none, dynamic:2];
       empty: just `model.rope_scaling` (type null: the trained setting).
     sources/split: the evaluation corpus; empty sources: the run's training sources (their `split`).
       Explicit `files` sources without `{split}` are read whole, whatever `split` (the file given
@@ -221,6 +288,8 @@ class EvalConfig:
     passkey: PasskeyConfig = field(default_factory=PasskeyConfig)
     recall: RecallConfig = field(default_factory=RecallConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    position_loss: PositionLossConfig = field(default_factory=PositionLossConfig)
+    ruler: RulerConfig = field(default_factory=RulerConfig)
     wandb: EvalWandbConfig = field(default_factory=EvalWandbConfig)
 
     def __post_init__(self) -> None:

@@ -67,9 +67,12 @@ class DoseRun:
         return self.tokens / self.non_embedding
 
 
-def load_run(path: Path, pattern: re.Pattern = RUN_NAME, dose: int | None = None) -> DoseRun:
-    """A published (or local) run folder; `pattern` names its design, dose and seed."""
+def load_run(path: Path, pattern: re.Pattern = RUN_NAME) -> DoseRun:
+    """A published (or local) run folder; `pattern` names its design, dose and seed. A reference
+    run (`REFERENCE_NAME`: no dose in its name) has its config's max_steps as its dose, and the
+    design its config selects where its folder names none (`text_s1`: Origin on text)."""
     from model.config import count_parameters  # deferred: torch
+    from model.designs.registry import DESIGNS, design_of
     from train.config import to_train_config
 
     match = pattern.fullmatch(path.name)
@@ -87,8 +90,11 @@ def load_run(path: Path, pattern: re.Pattern = RUN_NAME, dose: int | None = None
               if metric == "ppl_ratio"}
     cost = json.loads((path / "cost.json").read_text()) if (path / "cost.json").is_file() else {}
     machine = (path / "machine.txt").read_text().strip().splitlines() if (path / "machine.txt").is_file() else []
-    steps = int(match.group("dose")) if dose is None else dose
-    return DoseRun(match.group("design"), steps, int(match.group("seed")), cfg.model.max_seq_len,
+    steps = int(match.group("dose")) if "dose" in pattern.groupindex else cfg.max_steps
+    design = match.group("design")
+    if design not in DESIGNS:
+        design = design_of(cfg.model.attention, cfg.model.design_params).key
+    return DoseRun(design, steps, int(match.group("seed")), cfg.model.max_seq_len,
                    steps * cfg.batch_size * cfg.model.max_seq_len, count_parameters(cfg.model)["non_embedding"],
                    ratios, cost, machine[-1] if machine else "")
 
@@ -249,6 +255,41 @@ def cost_rows(runs: Sequence[DoseRun]) -> list[dict]:
             for r in sorted(runs, key=lambda r: (r.design, r.dose, r.seed))]
 
 
+def _reference_cells(reference: Sequence[DoseRun], design: str, scaling: str,
+                     length: int) -> list[tuple[int, list[float], list[int]]]:
+    """(steps, values, seeds) of one design's reference runs, per number of steps."""
+    out = []
+    for steps in sorted({r.dose for r in reference if r.design == design}):
+        here = [r for r in reference if r.design == design and r.dose == steps and (scaling, length) in r.ratios]
+        if here:
+            out.append((steps, [r.ratios[(scaling, length)] for r in here], [r.seed for r in here]))
+    return out
+
+
+def reference_rows(runs: Sequence[DoseRun], reference: Sequence[DoseRun], lengths: Sequence[int]) -> list[dict]:
+    """Reference runs (another schedule, from scratch) beside the WSD runs of the same design and
+    steps: each side's seed mean and SD, the difference of means, and the paired difference over
+    the seeds both have (a WSD run and a reference run of one seed share data order and init)."""
+    rows = []
+    for design in sorted({r.design for r in reference}):
+        for scaling in sorted({s for r in reference for (s, _) in r.ratios}, key=lambda s: (s != NONE, s)):
+            for length in lengths:
+                for steps, ref_values, ref_seeds in _reference_cells(reference, design, scaling, length):
+                    wsd = _values(runs, design, steps, scaling, length)
+                    if not wsd:
+                        continue
+                    paired = [wsd[s] - v for s, v in zip(ref_seeds, ref_values) if s in wsd]
+                    ours = list(wsd.values())
+                    rows.append({"design": design, "steps": steps, "scaling": scaling, "length": length,
+                                 "n_wsd": len(ours), "wsd_mean": float(np.mean(ours)), "wsd_sd": stats.sample_sd(ours),
+                                 "n_reference": len(ref_values), "reference_mean": float(np.mean(ref_values)),
+                                 "reference_sd": stats.sample_sd(ref_values),
+                                 "difference": float(np.mean(ours) - np.mean(ref_values)),
+                                 "paired_seeds": len(paired),
+                                 "paired_difference": float(np.mean(paired)) if paired else math.nan})
+    return rows
+
+
 # ----------------------------------------------------------------------------- the figure
 
 
@@ -283,13 +324,13 @@ def figure(runs: Sequence[DoseRun], reference: Sequence[DoseRun], length: int, t
                 xs, means, lows, highs = map(np.array, zip(*points))
                 ax.plot(xs, means, "-o", color=color, label=f"{design} (WSD)", markersize=4)
                 ax.fill_between(xs, lows, highs, color=color, alpha=0.18, linewidth=0)
-            ref = [r for r in reference if r.design == design and (scaling, length) in r.ratios]
-            if ref:
-                values = [r.ratios[(scaling, length)] for r in ref]
-                low, high = _interval_of_mean(values, f"ref|{design}|{scaling}|{length}", resamples)
-                ax.errorbar([ref[0].tokens_per_param], [np.mean(values)], yerr=[[np.mean(values) - low],
-                            [high - np.mean(values)]] if len(values) > 1 else None, fmt="D", mfc="none",
-                            color=color, capsize=3, label=f"{design} (published study, cosine, n={len(values)})")
+            for i, (steps, values, _) in enumerate(_reference_cells(reference, design, scaling, length)):
+                low, high = _interval_of_mean(values, f"ref|{design}|{steps}|{scaling}|{length}", resamples)
+                mean = float(np.mean(values))
+                x = next(r.tokens_per_param for r in reference if r.design == design and r.dose == steps)
+                ax.errorbar([x], [mean], yerr=[[mean - low], [high - mean]] if len(values) > 1 else None, fmt="D",
+                            mfc="none", color=color, capsize=3,
+                            label=f"{design}, reference runs (cosine)" if i == 0 else None)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
@@ -357,8 +398,18 @@ def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, referen
               markdown(["run", "train s", "eval s", "machine"],
                        [[c["run"], c["train_s"], c["eval_s"], c["machine"]] for c in cost_rows(runs)]), ""]
     if reference:
-        lines += [f"The figure places {len(reference)} reference runs (another schedule, hollow markers) "
-                  "beside the WSD doses.", ""]
+        refs = reference_rows(runs, reference, sorted({n for r in runs for (_, n) in r.ratios if n > train_len}))
+        written.append(write_csv(out / "dose_reference.csv", refs))
+        lines += ["## WSD runs against reference runs of another schedule (cosine, from scratch)", "",
+                  f"{len(reference)} reference runs, on the figure as hollow markers. Paired: the mean of "
+                  "WSD - reference over the seeds both have (same seed: same data order and initialisation).", "",
+                  markdown(["design", "steps", "scaling", "length", "WSD seeds", "WSD mean ± SD", "reference seeds",
+                            "reference mean ± SD", "WSD - reference", "paired seeds", "paired difference"],
+                           [[r["design"], r["steps"], r["scaling"], r["length"], r["n_wsd"],
+                             f"{r['wsd_mean']:.3f} ± {_num(r['wsd_sd'])}", r["n_reference"],
+                             f"{r['reference_mean']:.3f} ± {_num(r['reference_sd'])}", f"{r['difference']:+.3f}",
+                             r["paired_seeds"], "n/a" if r["paired_seeds"] == 0 else f"{r['paired_difference']:+.3f}"]
+                            for r in refs]), ""]
     fig = figure(runs, reference, length, train_len, resamples)
     png = out / "dose_ratio.png"
     fig.savefig(png, dpi=120, metadata={"Software": None})
@@ -376,8 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("eval_report/dose"), help="output folder")
     parser.add_argument("--family", type=Path, help="the pre-registration (conf/study/dose.yaml)")
     parser.add_argument("--reference", type=Path, nargs="*", default=[],
-                        help="<design>_s<seed> runs of another schedule to place on the figure (exploratory)")
-    parser.add_argument("--reference-steps", type=int, default=750, help="the reference runs' steps")
+                        help="<design>_s<seed> runs of another schedule (their steps from their config) to "
+                             "place beside the WSD runs (exploratory)")
     parser.add_argument("--length", type=int, default=4096, help="the figure's length (default 16x of 256)")
     args: argparse.Namespace = parser.parse_args(argv)
     try:
@@ -385,8 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         family = load_family(args.family) if args.family else None
         runs = [load_run(p) for p in args.runs]
         designs = {r.design for r in runs}
-        reference = [r for r in (load_run(p, REFERENCE_NAME, args.reference_steps) for p in args.reference)
-                     if r.design in designs]
+        reference = [r for r in (load_run(p, REFERENCE_NAME) for p in args.reference) if r.design in designs]
         train_lens = {r.train_len for r in runs}
         if len(train_lens) != 1:
             raise DataError(f"the runs have different training lengths ({sorted(train_lens)}): one report per length")

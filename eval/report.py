@@ -30,7 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data.cli import OneLineParser, exit_code
 from data.config import DataError, check_dir
 from errors import UserError, report_error
-from eval import aggregate, plots, stats
+from eval import aggregate, long_context_report, plots, stats
 from eval.bar import BAR, PROGRESS_FILE, BarProgress, read_progress
 
 TASKS = ("ppl", "passkey", "recall", "attention")
@@ -325,14 +325,19 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
     final checkpoint passes the training bar (`eval.bar`), a post hoc subset labelled so; nothing
     is written when none does."""
     family = aggregate.load_family(family_path)
+    extra, covered = long_context_report.compare(run_dirs, out_dir)  # RULER, loss by position
     loaded, progress = [], {}
     for run in run_dirs:
         eval_dir = run / "eval" if (run / "eval").is_dir() else run
         results = load_results(eval_dir)
+        if not results and run in covered:
+            continue
         if not results:
             raise FileNotFoundError(f"no evaluation results in {eval_dir} (run `python -m eval run={run}` first)")
         loaded.append((run, eval_dir, results))
         progress[run] = read_progress(eval_dir / PROGRESS_FILE)
+    if not loaded:
+        return extra
     if bar_only:
         loaded = _past_the_bar(loaded, progress)
         run_dirs = [run for run, _, _ in loaded]
@@ -358,7 +363,7 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
     for m in merged.values():
         m["meta"] = {**m["meta"], "label": ", ".join(labels), "run": ", ".join(map(str, run_dirs)),
                      "train_len": train_len}
-    written = render(merged, out_dir, prefix="comparison of " + ", ".join(labels), stem="compare_")
+    written = {**render(merged, out_dir, prefix="comparison of " + ", ".join(labels), stem="compare_"), **extra}
     groups = seed_groups(loaded)
     if any(len(runs) > 1 for runs in groups.values()):
         written["seeds"] = render_seeds(groups, out_dir, family, progress, bar_only)

@@ -15,13 +15,17 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from data.ruler.tasks import RulerCase
 from data.tasks import PasskeyCase, RecallCase
 from eval.attention_stats import attention_statistics, last_query_scores
 from eval.config import Scaling
 from eval.passkey import score_cases
 from eval.perplexity import evaluate_perplexity
+from eval.position_loss import position_losses, span_rows
 from eval.recall import score_recall
+from eval.ruler import generation
 from model import Design, ModelConfig
 
 
@@ -101,6 +105,36 @@ def sweep_recall(
                 group = [c for c in cases if c.length == length]
                 scored = score_recall(model, group, progress, batch_tokens)
                 records += [{"scaling": s.label, **r} for r in scored]
+    return records
+
+
+def sweep_position_loss(
+    model, documents, length: int, train_len: int, scalings: Sequence[Scaling], trained: Scaling, progress: bool,
+) -> tuple[list[dict], dict[str, list[float]]]:
+    """Per scaling: the span rows and the whole per-position curve."""
+    rows, curves = [], {}
+    for s in scalings:
+        with scaled(model, s, trained):
+            curve = position_losses(model, documents, length, progress, desc=f"position loss {s.label}")
+        rows += [{"scaling": s.label, **r} for r in span_rows(curve, train_len)]
+        curves[s.label] = [round(float(x), 5) for x in curve]
+    return rows, curves
+
+
+def sweep_ruler(
+    model, cases: Sequence[RulerCase], tokenizer, scalings: Sequence[Scaling], trained: Scaling, batch_tokens: int,
+    progress: bool,
+) -> list[dict]:
+    """Every case answered and scored under each scaling, one progress bar per scaling."""
+    records = []
+    for s in scalings:
+        with scaled(model, s, trained), tqdm(total=len(cases), desc=f"ruler {s.label}", unit="case",
+                                             disable=not progress) as bar:
+            for task in dict.fromkeys(c.task for c in cases):
+                for length in dict.fromkeys(c.length for c in cases if c.task == task):
+                    group = [c for c in cases if c.task == task and c.length == length]
+                    scored = generation.score_cases(model, group, tokenizer, batch_tokens, bar)
+                    records += [{"scaling": s.label, **r} for r in scored]
     return records
 
 

@@ -19,6 +19,12 @@ layer) runs on the one score-bias path: FlexAttention with a score modification 
 in fp32 / fp64, the fused CPU kernel with the bias as one more q/k dimension, else SDPA over
 chunks of query rows with an additive bias computed per chunk.
 
+Which kernels run is decided in one place, `takes_gpu_path`: the GPU path (FlexAttention with block
+masks and score modifications, SDPA elsewhere: nothing but ops every device has) for a tensor off
+the CPU, or anywhere under `model.kernel=flex`; the CPU path (the CPU flash kernel called directly:
+per document, with a bias column, in bias tiles) only for a CPU tensor. Forcing the GPU path on a
+CPU is how its code is tested without a GPU (docs/GPU.md).
+
 This module holds the kernels and the layer; it names no design.
 """
 
@@ -119,19 +125,27 @@ def _gqa(q: torch.Tensor, k: torch.Tensor) -> bool:
     return k.shape[1] != q.shape[1]
 
 
+def takes_gpu_path(x: torch.Tensor, kernel: str = "auto") -> bool:
+    """Whether attention on x takes the GPU path: x is off the CPU (the CPU path calls CPU-only
+    ops), or `kernel` (`model.kernel`) is "flex", which forces it on a CPU tensor. The one device
+    test of the kernels."""
+    return kernel == "flex" or x.device.type != "cpu"
+
+
 def causal_attention(q, k, v, bias: LayerBias | None = None, documents: Documents | None = None,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, kernel: str = "auto") -> torch.Tensor:
     """softmax(q k^T / sqrt(D) [+ b_h(m, n)]) v, query i at position Tk - Tq + i (KV-cache aware);
     with `documents`, only over earlier keys of the query's own document (`model.documents`); with
-    `window` > 0, only over the `window` most recent keys, its own included (no bias then)."""
+    `window` > 0, only over the `window` most recent keys, its own included (no bias then).
+    kernel: `model.kernel` (`takes_gpu_path`)."""
     if window and bias is not None:
         raise ValueError("a sliding window with a score bias is not implemented")
     if documents is not None:
-        return _document_attention(q, k, v, documents, bias, window)
+        return _document_attention(q, k, v, documents, bias, window, kernel)
     if bias is not None:
-        return bias_attention(q, k, v, bias)
+        return bias_attention(q, k, v, bias, kernel)
     if window:
-        return window_attention(q, k, v, window)
+        return window_attention(q, k, v, window, kernel)
     tq, tk, gqa = q.shape[-2], k.shape[-2], _gqa(q, k)
     if tq == tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -146,15 +160,19 @@ def _needs_backward(bias: LayerBias, *xs: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
-def bias_attention(q, k, v, bias: LayerBias) -> torch.Tensor:
-    """Attention with a score bias on the fastest correct kernel available: FlexAttention with a
-    score modification (O(N) memory) on GPU; on CPU, training and evaluation alike, the fused
-    kernels of `_cpu_bias` (CPU FlexAttention has no backward, and in forward it is about half as
-    fast as they are and needs a compile per shape). KV-cache steps (fewer queries than keys) take
-    the CPU kernels on either device."""
-    if q.is_cuda and q.shape[-2] == k.shape[-2]:
+def bias_attention(q, k, v, bias: LayerBias, kernel: str = "auto") -> torch.Tensor:
+    """Attention with a score bias on the fastest correct kernel available. GPU path: FlexAttention
+    with a score modification (O(N) memory) where queries and keys are the same positions; with
+    fewer queries than keys (a KV-cache step, the last rows of `logits_to_keep`) SDPA over chunks
+    with the bias computed per chunk (`_chunked_bias`: any device, and no compile per cache
+    length). CPU path, training and evaluation alike: the fused kernels of `_cpu_bias` (CPU
+    FlexAttention has no backward, and in forward it is about half as fast as they are and needs
+    a compile per shape)."""
+    if not takes_gpu_path(q, kernel):
+        return _cpu_bias(q, k, v, bias)
+    if q.shape[-2] == k.shape[-2]:
         return _flex_bias(q, k, v, bias)
-    return _cpu_bias(q, k, v, bias)
+    return _chunked_bias(q, k, v, bias)
 
 
 def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
@@ -435,9 +453,20 @@ def _bias_rows(q, k, v, bias: LayerBias, first: int, prefix: torch.Tensor | None
 
 @functools.cache
 def _compiled_flex():
+    """FlexAttention compiled whole: a graph break would leave it to torch's dense reference (an
+    N x N score matrix) without a word."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+def run_flex(q, k, v, **options) -> torch.Tensor:
+    """The GPU path's one call of FlexAttention (`options`: its block_mask, score_mod, enable_gqa),
+    compiled: Triton kernels on a GPU, C++ on a CPU, where torch has its forward only."""
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        raise ValueError("model.kernel=flex on a CPU runs forward only (torch's CPU FlexAttention has no "
+                         "backward): use it for evaluation and generation, and train with model.kernel=auto")
+    return _compiled_flex()(q, k, v, **options)
 
 
 @functools.lru_cache(maxsize=32)
@@ -458,29 +487,32 @@ def _causal_block_mask(length: int, device: str):
 
 
 def _score_mod(element, tensors: tuple[torch.Tensor, ...], positions: torch.Tensor | None,
-               prefix: tuple[torch.Tensor, torch.Tensor] | None):
+               prefix: tuple[torch.Tensor, ...] | None):
     """FlexAttention's score_mod for a bias: `element` (a design's static function) on the captured
     `tensors` (parameters: gradients flow to them), at token positions (`positions` [B, T] where
     they restart at documents, else the indices) and, for a gated bias, the gap sums from the
     prefix sums F [B, H, T] as float32 (hi, lo) pairs: hi_m - hi_n is exact wherever the gap is
-    small against F (Sterbenz), so the gap keeps float32's relative precision at any length. The
-    closure holds tensors and one function per design only: every layer shares one compiled kernel."""
+    small against F (Sterbenz), so the gap keeps float32's relative precision at any length; the
+    keys read a copy of the pair (`_flex_prefix`). The closure holds tensors and one function per
+    design only: every layer shares one compiled kernel."""
 
     def score_mod(score, b, h, m, n):
         pm, pn = (positions[b, m], positions[b, n]) if positions is not None else (m, n)
         pn = torch.minimum(pn, pm)  # masked pairs read n = m: finite values and gradients
         gap = None
         if prefix is not None:
-            hi, lo = prefix
-            gap = (hi[b, h, m] - hi[b, h, n]) + (lo[b, h, m] - lo[b, h, n])
+            hi, lo, hi_key, lo_key = prefix
+            gap = (hi[b, h, m] - hi_key[b, h, n]) + (lo[b, h, m] - lo_key[b, h, n])
         return score + element(tensors, h, pm, pn, gap)
 
     return score_mod
 
 
-def _flex_prefix(bias: LayerBias, documents: Documents | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _flex_prefix(bias: LayerBias, documents: Documents | None) -> tuple[torch.Tensor, ...] | None:
     """F for FlexAttention as float32 (hi, lo) with hi + lo = the float64 sums, restarted at each
-    document."""
+    document; twice, (hi, lo) for the queries and a copy for the keys: inductor lowers a score_mod's
+    backward to the GPU only where it indexes each tensor that needs gradients once (found by
+    `bench.gpu_path`: with one pair read at m and n, FoX had no GPU backward)."""
     prefix = bias.prefix()
     if prefix is None:
         return None
@@ -489,35 +521,38 @@ def _flex_prefix(bias: LayerBias, documents: Documents | None) -> tuple[torch.Te
         before = torch.where(first > 0, prefix.gather(-1, (first - 1).clamp(min=0)), 0.0)
         prefix = prefix - before
     hi = prefix.to(torch.float32)
-    return hi, (prefix - hi.to(torch.float64)).to(torch.float32)
+    lo = (prefix - hi.to(torch.float64)).to(torch.float32)
+    return hi, lo, hi.clone(), lo.clone()
 
 
 def _flex_bias(q, k, v, bias: LayerBias, documents: Documents | None = None) -> torch.Tensor:
     module = bias.module
-    tensors = module.tensors(bias.heads, q.device)
+    tensors = module.flex_tensors(bias.heads, q.device)
     positions = documents.positions if documents is not None and documents.restart else None
     mod = _score_mod(type(module).element, tensors, positions, _flex_prefix(bias, documents))
     mask = documents.block_mask if documents is not None else _causal_block_mask(q.shape[-2], str(q.device))
-    return _compiled_flex()(q, k, v, score_mod=mod, block_mask=mask, enable_gqa=_gqa(q, k))
+    return run_flex(q, k, v, score_mod=mod, block_mask=mask, enable_gqa=_gqa(q, k))
 
 
-def _document_attention(q, k, v, documents: Documents, bias: LayerBias | None, window: int = 0) -> torch.Tensor:
-    """Document-masked attention: FlexAttention on GPU, each document's causal attention on CPU
-    (a bias's positions and prefix sums count from each document's start, or from the row's
-    where positions do not restart)."""
+def _document_attention(q, k, v, documents: Documents, bias: LayerBias | None, window: int = 0,
+                        kernel: str = "auto") -> torch.Tensor:
+    """Document-masked attention: FlexAttention on the GPU path, each document's causal attention
+    on the CPU path (a bias's positions and prefix sums count from each document's start, or from
+    the row's where positions do not restart)."""
     if q.shape[-2] != k.shape[-2] or documents.ids.shape != (q.shape[0], q.shape[-2]):
         raise ValueError(f"document masking needs q and k of one length (no KV cache) and documents [B, T]; "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, documents {tuple(documents.ids.shape)}")
+    gpu = takes_gpu_path(q, kernel)
     if window:  # a window counts the distance, so within a document it is the document's own
-        if not q.is_cuda:
+        if not gpu:
             return segment_attention(q, k, v, documents.ids,
                                      lambda q, k, v, rows, tokens: _chunked_window(q, k, v, window))
         mask = _document_window_mask(documents.ids, window)
-        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=_gqa(q, k))
-    if q.is_cuda:
+        return run_flex(q, k, v, block_mask=mask, enable_gqa=_gqa(q, k))
+    if gpu:
         if bias is not None:
             return _flex_bias(q, k, v, bias, documents)
-        return _compiled_flex()(q, k, v, block_mask=documents.block_mask, enable_gqa=_gqa(q, k))
+        return run_flex(q, k, v, block_mask=documents.block_mask, enable_gqa=_gqa(q, k))
     if bias is None:
         return causal_segments(q, k, v, documents.ids)
 
@@ -531,13 +566,14 @@ def _document_attention(q, k, v, documents: Documents, bias: LayerBias | None, w
 # ---- sliding window ---------------------------------------------------------------------------------
 
 
-def window_attention(q, k, v, window: int) -> torch.Tensor:
+def window_attention(q, k, v, window: int, kernel: str = "auto") -> torch.Tensor:
     """Causal attention over the `window` most recent keys, the query's own included: FlexAttention
-    with a sliding-window block mask on GPU; otherwise SDPA over chunks of query rows, each against
-    only the keys its window reaches (memory linear in N, time N x (chunk + window))."""
-    if q.is_cuda and q.shape[-2] == k.shape[-2]:
+    with a sliding-window block mask on the GPU path; otherwise (the CPU path, and KV-cache steps
+    on either) SDPA over chunks of query rows, each against only the keys its window reaches
+    (memory linear in N, time N x (chunk + window))."""
+    if takes_gpu_path(q, kernel) and q.shape[-2] == k.shape[-2]:
         mask = _window_block_mask(q.shape[-2], window, str(q.device))
-        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=_gqa(q, k))
+        return run_flex(q, k, v, block_mask=mask, enable_gqa=_gqa(q, k))
     return _chunked_window(q, k, v, window)
 
 
@@ -632,6 +668,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
         self.score_bias = self.design.bias(cfg.n_head, cfg.n_embd) if self.design.bias else None
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
+        self.kernel = cfg.kernel  # `takes_gpu_path`
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D]; k (or CoCA's t) and v [B, n_kv_head, T, D]."""
@@ -672,7 +709,7 @@ class CausalSelfAttention(nn.Module):
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
             capture.append(AttentionInputs(q, k_eff, bias, self.design.window))
-        y = causal_attention(q, k, v, bias, documents, self.design.window)
+        y = causal_attention(q, k, v, bias, documents, self.design.window, self.kernel)
         if sp is not None:
             y = sp.to_sequence(y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -13,6 +13,10 @@ from .designs import ATTENTIONS, DESIGNS, Design, design_of
 
 ARCHS = ("neox", "llama")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
+# The attention kernels (`model.attention.takes_gpu_path`): auto, FlexAttention on CUDA tensors and
+# the CPU kernels elsewhere; flex, FlexAttention on any device (on CPU forward only: torch has no
+# CPU FlexAttention backward), which is how the GPU path runs and is tested on a CPU.
+KERNELS = ("auto", "flex")
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -177,6 +181,9 @@ class ModelConfig:
     rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
     doc_mask: within a packed row, a token attends only to earlier tokens of its own document.
     doc_positions: with doc_mask, positions restart at 0 at each document's first token.
+    kernel: the attention kernels, auto (FlexAttention on a GPU, the fused CPU kernels on a CPU) |
+          flex (FlexAttention, the GPU path, on any device; on a CPU compiled through C++ and
+          forward only: evaluation and generation, not training).
     layernorm_eps: the eps of every norm (LayerNorm for neox, RMSNorm for llama).
     """
 
@@ -201,6 +208,7 @@ class ModelConfig:
     activation_checkpointing: bool = False
     doc_mask: bool = False
     doc_positions: bool = False
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -210,6 +218,7 @@ class ModelConfig:
             _positive(f"model.{name}", getattr(self, name))
         _one_of("model.arch", self.arch, ARCHS)
         _one_of("model.attention", self.attention, ATTENTIONS)
+        _one_of("model.kernel", self.kernel, KERNELS)
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}"

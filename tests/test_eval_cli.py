@@ -122,7 +122,8 @@ def check_one_line_error(run: Path, out: Path, capsys, overrides: list[str], mes
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["task=perplexity"], "task='perplexity' is not one of ppl, passkey, recall, attention, all"),
+        (["task=perplexity"],
+         "task='perplexity' is not one of ppl, passkey, recall, attention, position_loss, ruler, all"),
         (["scalings=[dynamic]"], "write type:factor"),
         (["tsk=ppl"], "Key 'tsk' not in 'EvalConfig'"),
         (["ppl.lengths=[0]"], "ppl.lengths: 0 must be >= 1"),

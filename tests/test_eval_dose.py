@@ -182,3 +182,20 @@ def test_sign_flip_p_counts_the_observed_assignment():
     assert dose.sign_flip_p([0.1, 0.2, 0.3]) == pytest.approx(2 / 8)
     assert dose.sign_flip_p([0.1, -0.1]) == 1.0
     assert math.isclose(dose.sign_flip_p([1.0] * 10), 2 / 1024)
+
+
+def test_reference_runs_take_their_steps_from_their_config_and_pair_by_seed(study, tmp_path):
+    """A cosine run `origin_s2` of 100 steps sits beside the WSD runs at dose 100: the difference
+    of means and the paired difference (seed 2, the one both have) are the definitions."""
+    root, _, v = study
+    ref = _run(tmp_path, "origin", 100, 2, {("none", 4096): 1.5, ("none", 1024): 1.2})
+    ref = ref.rename(tmp_path / "origin_s2")
+    run = dose.load_run(ref, dose.REFERENCE_NAME)
+    assert (run.design, run.dose, run.seed) == ("origin", 100, 2)
+    runs = [dose.load_run(p) for p in sorted(root.glob("origin_d*_s*"))]
+    rows = dose.reference_rows(runs, [run], [1024, 4096])
+    row = next(r for r in rows if r["scaling"] == "none" and r["length"] == 4096)
+    wsd = [v[("origin", 100, s, "none")] for s in (1, 2, 3)]
+    assert row["n_wsd"] == 3 and row["n_reference"] == 1 and row["paired_seeds"] == 1
+    assert row["difference"] == pytest.approx(np.mean(wsd) - 1.5, abs=1e-12)
+    assert row["paired_difference"] == pytest.approx(v[("origin", 100, 2, "none")] - 1.5, abs=1e-12)

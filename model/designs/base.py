@@ -28,7 +28,7 @@ class ScoreBias(nn.Module):
 
     - `rows`: the bias of a block of query rows over their keys, as one tensor (the CPU kernel, the
       remote-code model, evaluation); differentiable with respect to the parameters.
-    - `element` on `tensors`: the same value elementwise from a few tensors (FlexAttention's
+    - `element` on `flex_tensors`: the same value elementwise from a few tensors (FlexAttention's
       score_mod on GPU, with the tensors captured: gradients flow to them).
 
     Both serve the query heads `heads` (a slice: all of them, or one rank's share under sequence
@@ -55,6 +55,13 @@ class ScoreBias(nn.Module):
     def tensors(self, heads: slice, device: torch.device) -> tuple[torch.Tensor, ...]:
         """What `element` reads, for the query heads `heads` (per-head tensors sliced by them)."""
         return ()
+
+    def flex_tensors(self, heads: slice, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """What `element` reads in FlexAttention's score_mod: `tensors` by default. Inductor lowers a
+        score_mod's backward to a GPU only where it reads each tensor that needs gradients by one
+        index (`t[h]`, once): a design whose `element` reads one more often gives copies here
+        (FIRE's), and its `element` then reads this form."""
+        return self.tensors(heads, device)
 
     @staticmethod
     def element(t: tuple[torch.Tensor, ...], h: torch.Tensor, m: torch.Tensor, n: torch.Tensor,

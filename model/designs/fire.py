@@ -53,14 +53,24 @@ class FireBias(ScoreBias):
         return (wide(self.c[0]), (wide(self.l_multiplier[0]) * INIT_L).abs(), wide(self.mlp_in.weight[:, 0]),
                 wide(self.mlp_in.bias), wide(self.mlp_out.weight[heads]), wide(self.mlp_out.bias[heads]))
 
+    def flex_tensors(self, heads: slice, device) -> tuple[torch.Tensor, ...]:
+        """`tensors` with every value `element` reads as its own tensor, each read once: c twice (x's
+        numerator and denominator), L, each hidden unit's weight, bias and output weights [H], and
+        the output bias [H] (copies: the gradients still reach the parameters)."""
+        c, threshold, w1, b1, w2, b2 = self.tensors(heads, device)
+        units = [u.clone() for x in (w1, b1) for u in x.split(1)]
+        return (c[None].clone(), c[None].clone(), threshold[None], *units, *(w.clone() for w in w2.unbind(1)), b2)
+
     @staticmethod
     def element(t, h, m, n, gap=None) -> torch.Tensor:
-        """One element: the MLP written out over its hidden units (FlexAttention's score_mod)."""
-        c, threshold, w1, b1, w2, b2 = t
-        x = fire_input(c, threshold, m, n)
+        """One element from `flex_tensors`: the MLP written out over its hidden units (FlexAttention's
+        score_mod)."""
+        c, c_again, threshold = t[0][0], t[1][0], t[2][0]
+        w1, b1, w2, b2 = t[3 : 3 + WIDTH], t[3 + WIDTH : 3 + 2 * WIDTH], t[3 + 2 * WIDTH : 3 + 3 * WIDTH], t[-1]
+        x = torch.log1p(c.abs() * (m - n)) / _denominator(c_again, threshold, m)
         out = b2[h]
         for u in range(WIDTH):
-            out = out + w2[h, u] * torch.relu(w1[u] * x + b1[u])
+            out = out + w2[u][h] * torch.relu(w1[u][0] * x + b1[u][0])
         return out
 
     def rows(self, heads, m, n, gap=None, t=None) -> torch.Tensor:

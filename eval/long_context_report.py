@@ -1,0 +1,239 @@
+"""Tables and figures of RULER (`ruler.json`) and the per-position loss (`position_loss.json`), for
+one run (`python -m eval`: `<run>/eval/`) and across runs (`python -m eval.report`): CSV, a
+Markdown file of their own (`long_context.md`, `compare_long_context.md`) and PNG figures.
+
+Labels follow `eval.report`: a run's own results are labelled by scaling; across runs by the
+run's design label (with its folder name where two runs share one), then ` + scaling`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from data.config import DataError
+from eval import plots
+from eval.position_loss import log_bins
+from eval.ruler.score import summary
+
+FILES = {"ruler": ("ruler.json", "cases"), "position_loss": ("position_loss.json", "rows")}
+
+
+def load(eval_dir: Path) -> dict[str, dict]:
+    """The RULER and position-loss results in an eval directory, or a `DataError` naming a bad file."""
+    out = {}
+    for task, (name, key) in FILES.items():
+        path = eval_dir / name
+        if not path.exists():
+            continue
+        try:
+            result = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise DataError(f"{path} is not valid JSON; delete it and rerun `python -m eval task={task}`") from None
+        if not (isinstance(result, dict) and isinstance(result.get("meta"), dict) and "label" in result["meta"]
+                and isinstance(result.get(key), list)):
+            raise DataError(f"{path} is not a `python -m eval` {task} result (needs meta.label and a {key} list); "
+                            f"delete it and rerun `python -m eval task={task}`")
+        out[task] = result
+    return out
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> Path:
+    """Rows as CSV, the columns in order of first appearance (`eval.report` imports this module, so
+    its own writer cannot be imported here)."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def markdown(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A Markdown table; floats to 4 significant digits."""
+    cell = lambda x: f"{x:.4g}" if isinstance(x, float) else str(x)  # noqa: E731
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows])
+
+
+def _label(prefix: str, scaling: str) -> str:
+    return scaling if not prefix else (prefix if scaling == "none" else f"{prefix} + {scaling}")
+
+
+def _labelled(results: dict[str, dict], prefix: str) -> dict[str, dict]:
+    out = {}
+    for task, r in results.items():
+        r = dict(r)
+        key = FILES[task][1]
+        r[key] = [{"label": _label(prefix, x["scaling"]), **x} for x in r[key]]
+        if "curves" in r:
+            r["curves"] = {_label(prefix, k): v for k, v in r["curves"].items()}
+        out[task] = r
+    return out
+
+
+def _merge(parts: Sequence[dict[str, dict]]) -> dict[str, dict]:
+    merged: dict[str, dict] = {}
+    for results in parts:
+        for task, r in results.items():
+            m = merged.setdefault(task, {**r, FILES[task][1]: [], "curves": {}, "notes": []})
+            m[FILES[task][1]] += r[FILES[task][1]]
+            m["curves"].update(r.get("curves", {}))
+            m["notes"] += r.get("notes", [])
+    return merged
+
+
+def render(results: dict[str, dict], out_dir: Path, stem: str, train_len: int | None,
+           design: str | None) -> dict[str, list[Path]]:
+    """Write the tables and figures of labelled results; returns the files by task."""
+    written: dict[str, list[Path]] = {}
+    md: list[str] = []
+    if "ruler" in results:
+        r = results["ruler"]
+        rows = summary(r["cases"])
+        md += ruler_markdown(rows, r)
+        written["ruler"] = [
+            write_csv(out_dir / f"{stem}ruler.csv", rows),
+            write_csv(out_dir / f"{stem}ruler_cases.csv",
+                      [{k: (" | ".join(v) if isinstance(v, list) else v) for k, v in c.items()} for c in r["cases"]]),
+            plots.save(ruler_figure(rows, train_len, design), out_dir / f"{stem}ruler.png"),
+        ]
+    if "position_loss" in results:
+        p = results["position_loss"]
+        md += position_markdown(p)
+        written["position_loss"] = [
+            write_csv(out_dir / f"{stem}position_loss.csv", p["rows"]),
+            plots.save(position_figure(p["curves"], train_len, design), out_dir / f"{stem}position_loss.png"),
+        ]
+    if md:
+        path = out_dir / f"{stem}long_context.md"
+        path.write_text("\n".join(md))
+        written["long_context"] = [path]
+    return written
+
+
+def render_run(eval_dir: Path) -> dict[str, list[Path]]:
+    """One run's RULER and position-loss tables and figures, beside its results."""
+    results = load(eval_dir)
+    if not results:
+        return {}
+    meta = next(iter(results.values()))["meta"]
+    return render(_labelled(results, ""), eval_dir, "", meta.get("train_len"), meta["label"])
+
+
+def compare(run_dirs: Sequence[Path], out_dir: Path) -> tuple[dict[str, list[Path]], set[Path]]:
+    """RULER and position-loss tables and figures across runs (a line per run and scaling); returns
+    the files written and the runs that had such results."""
+    found = [(run, load(run / "eval" if (run / "eval").is_dir() else run)) for run in run_dirs]
+    found = [(run, results) for run, results in found if results]
+    if not found:
+        return {}, set()
+    labels = [next(iter(r.values()))["meta"]["label"] for _, r in found]
+    if len(set(labels)) < len(labels):
+        labels = [f"{run.name} ({label})" for (run, _), label in zip(found, labels)]
+    merged = _merge([_labelled(results, label) for (_, results), label in zip(found, labels)])
+    lens = {r["meta"]["train_len"] for _, results in found for r in results.values()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return render(merged, out_dir, "compare_", lens.pop() if len(lens) == 1 else None, None), {run for run, _ in found}
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def ruler_markdown(rows: Sequence[dict], result: dict) -> list[str]:
+    """Score per (label, task) and length with its interval, then each label's mean over tasks."""
+    lengths = sorted({r["length"] for r in rows})
+    table: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
+    means: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        table[(r["label"], r["task"])][r["length"]] = f"{r['score']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+        means[r["label"]][r["length"]].append(r["score"])
+    budget = "RULER's per task" if result.get("budget") is None else f"{result['budget']} tokens"
+    md = ["## RULER (synthetic tasks)", "",
+          f"Score: RULER's string match (`all`: the share of the expected strings the greedy answer holds), "
+          f"mean over cases [95% bootstrap interval]. Length: prompt + answer budget ({budget}), in the model's "
+          f"tokens. VT: {result.get('hops')} hops, {result.get('chains')} chain(s); one-shot examples "
+          f"{'on' if result.get('fewshot') else 'off'}; essays from {result.get('essay') or '-'}.", "",
+          markdown(["model / scaling", "task"] + [plots._k(x) for x in lengths],
+                   [[label, task] + [cells.get(x, "") for x in lengths] for (label, task), cells in table.items()]),
+          "", "Mean over the tasks evaluated at each length (how many in brackets):", "",
+          markdown(["model / scaling"] + [plots._k(x) for x in lengths],
+                   [[label] + [f"{np.mean(v[x]):.3f} ({len(v[x])})" if v.get(x) else "" for x in lengths]
+                    for label, v in means.items()]), ""]
+    return md + [f"- {n}" for n in dict.fromkeys(result.get("notes", []))] + [""]
+
+
+def position_markdown(result: dict) -> list[str]:
+    """Mean loss per span of positions, one row per label."""
+    spans = sorted({(r["start"], r["length"]) for r in result["rows"]})
+    table: dict[str, dict[tuple[int, int], float]] = defaultdict(dict)
+    for r in result["rows"]:
+        table[r["label"]][(r["start"], r["length"])] = r["loss"]
+    header = ["model / scaling"] + [f"{plots._k(a)}-{plots._k(b)}" for a, b in spans]
+    return ["## Loss by position", "",
+            f"Mean loss of the tokens at positions [start, end), documents read whole from their first token "
+            f"({result.get('n_docs')} documents of at least {result.get('length')} tokens):", "",
+            markdown(header, [[label] + [v.get(s, "") for s in spans] for label, v in table.items()]), ""]
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _looks(labels: Sequence[str], design: str | None) -> dict[str, tuple[str, object, str]]:
+    """Colour, line style and legend name per label: one run's scalings (`design`) or runs' colours."""
+    styles = plots.scaling_styles([plots.scaling_of(label) if design is None else label for label in labels])
+    if design is not None:
+        color = plots.design_color(design)
+        return {label: (color, styles[label], label if label != "none" else "as trained") for label in labels}
+    colors = plots.run_colors(labels)
+    return {label: (colors[label.partition(" + ")[0]], styles[plots.scaling_of(label)], label) for label in labels}
+
+
+def ruler_figure(rows: Sequence[dict], train_len: int | None, design: str | None):
+    """Score against length, one panel per task, a line (with its interval as a band) per label."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    looks = _looks(labels, design)
+    fig, axes = plots.grid(len(tasks), plots.PANEL, legend_width=2.6)
+    for ax, task in zip(axes, tasks):
+        here = [r for r in rows if r["task"] == task]
+        for label in labels:
+            line = sorted((r["length"], r["score"], r["low"], r["high"]) for r in here if r["label"] == label)
+            if not line:
+                continue
+            xs, ys, lo, hi = zip(*line)
+            color, style, _ = looks[label]
+            ax.plot(xs, ys, marker="o", markersize=4, color=color, linestyle=style)
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+        plots._length_axis(ax, [r["length"] for r in here], train_len)
+        plots._value_axis(ax, "score", log_y=False, unit_range=True)
+        ax.set_title(task, fontsize=10)
+    handles = [plots.Line2D([], [], marker="o", markersize=4, color=c, linestyle=s, label=n)
+               for c, s, n in looks.values()]
+    plots._figure_legend(fig, handles + plots._train_len_handle(train_len), title=design)
+    fig.suptitle("RULER synthetic tasks: score against length (95% bands)")
+    return fig
+
+
+def position_figure(curves: dict[str, list[float]], train_len: int | None, design: str | None):
+    """Mean loss against position (log2 axis), averaged over 8 geometric bins per doubling."""
+    looks = _looks(list(curves), design)
+    fig, (ax,) = plots.grid(1, (7.0, 4.2), legend_width=2.6)
+    for label, curve in curves.items():
+        color, style, _ = looks[label]
+        ax.plot(*log_bins(np.asarray(curve)), color=color, linestyle=style, linewidth=1.2)
+    ax.set_xscale("log", base=2)
+    if train_len:
+        ax.axvline(train_len, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("token position")
+    ax.set_ylabel("mean loss (nats)")
+    ax.grid(alpha=0.3)
+    handles = [plots.Line2D([], [], color=c, linestyle=s, label=n) for c, s, n in looks.values()]
+    plots._figure_legend(fig, handles + plots._train_len_handle(train_len), title=design)
+    fig.suptitle("Loss by position (mean over documents, 8 bins per doubling)")
+    return fig

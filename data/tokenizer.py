@@ -14,7 +14,9 @@ Overrides are train's `data.*` keys without the prefix, in train's syntax (`data
 
 A Hugging Face tokenizer (`tokenizer.json`, the `tokenizers` library) loads as `HFTokenizer`, with
 the same interface; `load_tokenizer(path)` reads whichever a directory or a file holds (a model
-directory, a run's checkpoint, or `data.tokenizer.model_path`).
+directory, a run's checkpoint, or `data.tokenizer.model_path`). Both kinds live here, past 500
+lines, on purpose: they share the role ids, the file rules and the one loader every command reads
+a tokenizer with.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from data.sources import by_document, source_files
 from data.tasks import make_cases, make_recall_cases, recall_vocab
 from data.tokenizer import Tokenizer
 from errors import UsageError, UserError, report_error
-from eval import long_context_report, report
+from eval import long_context_report, report, results
 from eval.config import EvalConfig, Scaling, default_lengths
 from eval.sweep import (
     applicable,
@@ -222,7 +222,7 @@ def run_attention(s: Session) -> dict:
     (segment,) = s.documents(length, 1)
     rows, profiles = sweep_attention(s.model, segment, scalings, s.trained, layers, c.sigma, c.window, c.chunk)
     s.out.mkdir(parents=True, exist_ok=True)
-    report.save_profiles(s.out / report.PROFILES_FILE, profiles)
+    results.save_profiles(s.out / results.PROFILES_FILE, profiles)
     return {"rows": rows, "length": length, "sigma": c.sigma, "window": c.window, "layers": layers, "notes": notes}
 
 
@@ -285,7 +285,7 @@ def evaluate(cfg: EvalConfig) -> dict[str, list[Path]]:
         payload = {"meta": session.meta, **result}
         payload["seconds"] = round(time.perf_counter() - start, 2)
         payload["peak_rss_mb"] = round(peak_rss_mb(), 1)
-        report.save_json(session.out / f"{task}.json", payload)
+        results.save_json(session.out / f"{task}.json", payload)
     written = report.render(report.run_results(session.out), session.out)
     written.update(long_context_report.render_run(session.out))
     log_to_wandb(cfg, session.train_cfg, run_dir_of(Path(cfg.run)), session.out, written)

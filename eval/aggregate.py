@@ -1,6 +1,6 @@
 """Runs that differ only in their seed, summarised and compared (the statistics: `eval.stats`).
 
-`python -m eval.report` groups runs into designs (`eval.report.seed_groups`) and hands each
+`python -m eval.report` groups runs into designs (`eval.seeds.seed_groups`) and hands each
 design's runs here. Every cell (metric, design + scaling, length) holds one array of case values
 per seed: passkey 1/0 per case, recall the share of a case's queries answered, the perplexity
 ratio to the training length one value per seed. From them:

@@ -27,7 +27,8 @@ from omegaconf.errors import OmegaConfBaseException
 from data.cli import OneLineParser, exit_code
 from data.config import DataError, check_dir
 from errors import report_error
-from eval.report import markdown, save_json
+from eval.results import save_json
+from eval.tables import markdown
 
 FAMILY_FILE = Path(__file__).resolve().parents[1] / "conf" / "study" / "extension.yaml"
 T_INIT_RUNS = {"from_k": "dropin_from_k", "fresh": "dropin_fresh"}

@@ -41,7 +41,8 @@ from data.config import DataError, check_dir
 from errors import exit_code, report_error
 from eval import stats
 from eval.aggregate import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, NONE, adjust_family, run_cases
-from eval.report import markdown, write_csv
+from eval.results import write_csv
+from eval.tables import markdown
 
 RUN_NAME = re.compile(r"(?P<design>.+)_d(?P<dose>\d+)_s(?P<seed>\d+)")
 REFERENCE_NAME = re.compile(r"(?P<design>.+)_s(?P<seed>\d+)")

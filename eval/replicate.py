@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data.config import DataError
-from eval.report import load_results
+from eval.results import load_results
 
 PROMPT = ("scaling", "length", "depth", "key")
 

@@ -13,166 +13,18 @@ conf/study/comparisons.yaml) and labels everything else exploratory.
 
 from __future__ import annotations
 
-import csv
-import json
-import math
-import re
 import sys
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from data.cli import OneLineParser, exit_code
 from data.config import DataError, check_dir
-from errors import UserError, report_error
-from eval import aggregate, long_context_report, plots, stats
-from eval.bar import BAR, PROGRESS_FILE, BarProgress, read_progress
-
-TASKS = ("ppl", "passkey", "recall", "attention")
-PROFILES_FILE = "attention_profiles.npz"
-
-
-# ----------------------------------------------------------------------------- files
-
-
-def save_json(path: Path, payload: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, allow_nan=True))
-    tmp.replace(path)
-    return path
-
-
-RESULT_LISTS = {"ppl": "rows", "passkey": "cases", "recall": "cases", "attention": "rows"}
-
-
-def load_result(path: Path, task: str) -> dict:
-    """One task's results, or a `DataError` naming the file when it is not what `python -m eval` writes."""
-    try:
-        result = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); "
-                        "delete it and rerun `python -m eval` for that run") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{path} is not a text file; delete it and rerun `python -m eval` for that run") from None
-    key = RESULT_LISTS[task]
-    if not (isinstance(result, dict) and isinstance(result.get("meta"), dict) and "label" in result["meta"]
-            and isinstance(result.get(key), list)):
-        raise DataError(f"{path} is not a `python -m eval` {task} result (needs meta.label and a {key} list); "
-                        "delete it and rerun `python -m eval` for that run")
-    return result
-
-
-def load_results(eval_dir: Path) -> dict[str, dict]:
-    """The task results present in an eval directory, by task name."""
-    return {t: load_result(eval_dir / f"{t}.json", t) for t in TASKS if (eval_dir / f"{t}.json").exists()}
-
-
-def save_profiles(path: Path, profiles: dict[str, dict[int, np.ndarray]]) -> Path:
-    np.savez_compressed(path, **{f"{label}|{layer}": a for label, p in profiles.items() for layer, a in p.items()})
-    return path
-
-
-def load_profiles(path: Path) -> dict[str, dict[int, np.ndarray]]:
-    out: dict[str, dict[int, np.ndarray]] = defaultdict(dict)
-    with np.load(path) as data:
-        for key in data.files:
-            label, layer = key.rsplit("|", 1)
-            out[label][int(layer)] = data[key]
-    return dict(out)
-
-
-def write_csv(path: Path, rows: Sequence[dict]) -> Path:
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
-
-
-# ----------------------------------------------------------------------------- tables
-
-
-def fmt(x) -> str:
-    if isinstance(x, float):
-        if math.isinf(x) or math.isnan(x):
-            return str(x)
-        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.0f}"
-    return str(x)
-
-
-def markdown(header: Sequence[str], rows: Iterable[Sequence]) -> str:
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def pivot(rows: Sequence[dict], label_key: str, value_key: str) -> tuple[list[int], dict[str, dict[int, float]]]:
-    """{label: {length: value}} and the sorted lengths, keeping the order labels first appear in."""
-    table: dict[str, dict[int, float]] = {}
-    for r in rows:
-        table.setdefault(r[label_key], {})[r["length"]] = r[value_key]
-    lengths = sorted({r["length"] for r in rows})
-    return lengths, table
-
-
-def pivot_markdown(lengths: list[int], table: dict[str, dict[int, float]], first: str) -> str:
-    header = [first] + [plots._k(x) for x in lengths]
-    return markdown(header, [[label] + [vals.get(x, "") for x in lengths] for label, vals in table.items()])
-
-
-def passkey_summary(cases: Sequence[dict], modes: Sequence[str]) -> list[dict]:
-    """Accuracy per (label, length) for each scoring mode, plus how often the modes agree."""
-    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for c in cases:
-        groups[(c["label"], c["length"])].append(c)
-    rows = []
-    for (label, length), group in groups.items():
-        row = {"label": label, "length": length, "n": len(group)}
-        for mode in modes:
-            row[f"{mode}_accuracy"] = sum(c[f"{mode}_correct"] for c in group) / len(group)
-        if len(modes) > 1:
-            row["modes_agree"] = sum(len({c[f"{m}_correct"] for m in modes}) == 1 for c in group) / len(group)
-        rows.append(row)
-    return rows
-
-
-def recall_summary(cases: Sequence[dict]) -> list[dict]:
-    """Accuracy per (label, length): right answers over all queries of its cases."""
-    groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for c in cases:
-        groups[(c["label"], c["length"])].append(c)
-    return [{"label": label, "length": length, "n": len(group), "pairs": group[0]["pairs"],
-             "accuracy": sum(c["correct"] for c in group) / sum(c["queries"] for c in group)}
-            for (label, length), group in groups.items()]
-
-
-def depth_bins(depths: Sequence[float]) -> list[float]:
-    """The depths themselves for a sweep (few distinct values), otherwise 5 equal bins' centres."""
-    distinct = sorted(set(depths))
-    return distinct if len(distinct) <= 10 else [0.1, 0.3, 0.5, 0.7, 0.9]
-
-
-def depth_grid(cases: Sequence[dict], mode: str) -> tuple[list[int], list[float], np.ndarray]:
-    """Accuracy by depth x length (NaN where no case fell)."""
-    lengths = sorted({c["length"] for c in cases})
-    bins = depth_bins([c["depth"] for c in cases])
-    hits = np.zeros((len(bins), len(lengths)))
-    counts = np.zeros_like(hits)
-    for c in cases:
-        i = int(np.argmin([abs(c["depth"] - b) for b in bins]))
-        j = lengths.index(c["length"])
-        hits[i, j] += c[f"{mode}_correct"]
-        counts[i, j] += 1
-    with np.errstate(invalid="ignore"):
-        return lengths, bins, hits / counts
-
+from errors import report_error
+from eval import aggregate, long_context_report, plots
+from eval.bar import BAR, PROGRESS_FILE, read_progress
+from eval.results import PROFILES_FILE, load_profiles, load_results, write_csv
+from eval.seeds import render_seeds, seed_groups
+from eval.tables import depth_grid, markdown, passkey_summary, pivot, pivot_markdown, recall_summary
 
 # ----------------------------------------------------------------------------- one run
 
@@ -325,6 +177,10 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
     final checkpoint passes the training bar (`eval.bar`), a post hoc subset labelled so; nothing
     is written when none does."""
     family = aggregate.load_family(family_path)
+    if bar_only:  # first: every table, RULER's and the loss by position's too, holds only these runs
+        run_dirs = _past_the_bar(run_dirs)
+        if not run_dirs:
+            return {}
     extra, covered = long_context_report.compare(run_dirs, out_dir)  # RULER, loss by position
     loaded, progress = [], {}
     for run in run_dirs:
@@ -338,11 +194,6 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
         progress[run] = read_progress(eval_dir / PROGRESS_FILE)
     if not loaded:
         return extra
-    if bar_only:
-        loaded = _past_the_bar(loaded, progress)
-        run_dirs = [run for run, _, _ in loaded]
-        if not loaded:
-            return {}
     labels = [next(iter(r.values()))["meta"]["label"] for _, _, r in loaded]
     if len(set(labels)) < len(labels):
         labels = [f"{run.name} ({label})" for (run, _, _), label in zip(loaded, labels)]
@@ -370,273 +221,15 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
     return written
 
 
-def _past_the_bar(loaded: list, progress: dict[Path, BarProgress | None]) -> list:
-    """The loaded runs whose final checkpoint passes the bar; a `DataError` for a run without the
-    table."""
-    missing = [str(run) for run, _, _ in loaded if progress[run] is None]
+def _past_the_bar(run_dirs: Sequence[Path]) -> list[Path]:
+    """The runs whose final checkpoint passes the bar; a `DataError` for a run without the table."""
+    progress = {run: read_progress((run / "eval" if (run / "eval").is_dir() else run) / PROGRESS_FILE)
+                for run in run_dirs}
+    missing = [str(run) for run in run_dirs if progress[run] is None]
     if missing:
         raise DataError(f"--bar-only needs each run's {PROGRESS_FILE} (`python -m bench.passkey_progress`); "
                         f"missing for {', '.join(missing)}")
-    return [item for item in loaded if progress[item[0]].passes]
-
-
-# ----------------------------------------------------------------------------- seeds
-
-
-def design_name(run: Path, meta: dict) -> str:
-    """The run folder's name without its `_s<seed>` suffix (`coca_strict_s3` -> `coca_strict`: the
-    names conf/study/comparisons.yaml uses), or the design label where the folder has none."""
-    match = re.fullmatch(rf"(.+)_s{meta.get('seed')}", run.name)
-    return match.group(1) if match else meta["label"]
-
-
-def setup_of(run: Path, meta: dict) -> str | None:
-    """The run's training-setup id (`train.config.setup_id`) under this code's schema, from the
-    config.yaml beside its results (a run directory, its eval/ folder's run, a published folder),
-    so that runs evaluated before a schema change still group with later ones; else the id its
-    evaluation stored."""
-    from train.config import setup_id, to_train_config  # deferred: it imports torch
-
-    for path in (run / "config.yaml", *([run.parent / "config.yaml"] if run.name == "eval" else [])):
-        if path.is_file():
-            try:
-                return setup_id(to_train_config(OmegaConf.load(path)))
-            except (UserError, OmegaConfBaseException, yaml.YAMLError):
-                break  # a config this code cannot read: the stored id
-    return meta.get("config_id")
-
-
-def seed_groups(loaded: Sequence[tuple[Path, Path, dict]]) -> dict[str, list[tuple[Path, dict]]]:
-    """Runs grouped by training setup (`setup_of`), named by `design_name` of their first run.
-
-    Two setups with the same name are told apart by their first run's directory name. Runs of one
-    setup that repeat a seed are not replicates: each then stands alone.
-    """
-    by_id: dict[str, list[tuple[Path, dict]]] = {}
-    for i, (run, _, results) in enumerate(loaded):
-        meta = next(iter(results.values()))["meta"]
-        by_id.setdefault(setup_of(run, meta) or f"run {i}", []).append((run, results))
-    groups = []
-    for runs in by_id.values():
-        seeds = [next(iter(r.values()))["meta"].get("seed") for _, r in runs]
-        groups += [runs] if len(set(seeds)) == len(seeds) else [[run] for run in runs]
-    names = [design_name(runs[0][0], next(iter(runs[0][1].values()))["meta"]) for runs in groups]
-    return {(name if names.count(name) == 1 else f"{name} ({runs[0][0].name})"): runs
-            for name, runs in zip(names, groups)}
-
-
-SEED_TITLES = {"ppl_ratio": "Perplexity / perplexity at the training length",
-               "passkey": "Passkey accuracy", "recall": "Recall accuracy"}
-SEED_AXES = {"ppl_ratio": "perplexity ratio", "passkey": "passkey accuracy", "recall": "recall accuracy"}
-
-
-def render_seeds(groups: dict[str, list[tuple[Path, dict]]], out_dir: Path, family: aggregate.Family,
-                 progress: dict[Path, BarProgress | None] | None = None, bar_only: bool = False) -> list[Path]:
-    """The seed report: the pre-registered family first (effect, interval, raw and Holm p), the
-    smallest detectable differences and the training bar of every run, then everything else,
-    labelled exploratory: CSV, Markdown, figures with bootstrap bands. `bar_only`: the runs are the
-    post hoc subset past the bar, and the family's section says so."""
-    rows, runs = [], []
-    for name, group in groups.items():
-        for run, results in group:
-            seed = next(iter(results.values()))["meta"].get("seed")
-            rows += aggregate.per_seed_values(name, seed, str(run), results)
-            runs.append((name, results))
-    cells = aggregate.collect(runs)
-    boots = aggregate.Bootstraps(cells, family.resamples)
-    summary = aggregate.summarise(cells, boots)
-    registered = aggregate.family_tests(cells, boots, family)
-    power = aggregate.detectable(registered, family)
-    design_lens = {name: next(iter(group[0][1].values()))["meta"]["train_len"] for name, group in groups.items()}
-    tests = aggregate.significance(cells, boots, family, design_lens)
-    attention = aggregate.attention_summary(runs)
-    train_lens = set(design_lens.values())
-    train_len = train_lens.pop() if len(train_lens) == 1 else None
-    seeds = ", ".join(f"{name}: {len(group)}" for name, group in groups.items())
-    counts = ", ".join(f"{m} {c}" for m, c in _case_counts(rows).items() if m != "ppl_ratio")
-    md = ["# Seed-aggregated comparison", "", f"Seeds per design: {seeds}. "
-          + (f"Cases per seed and cell: {counts}; the" if counts else "The")
-          + " perplexity ratio is one value per seed.", ""]
-    md += _family_markdown(registered, power, family, bar_only)
-    bar = _bar_rows(groups, progress or {})
-    if bar:
-        md += _bar_markdown(bar)
-    md += ["## Exploratory (not pre-registered; unadjusted)", "",
-           "Everything in this section is exploratory: no correction for the many comparisons, so a "
-           "p < 0.05 here is a lead, not a finding. Cells: seed mean [95% cluster-bootstrap interval] "
-           f"({family.resamples} resamples of seeds, then cases within seed). Pairs: difference of seed "
-           "means (a - b) with its interval and the exact permutation p over seeds; every pair is in "
-           "`seeds_significance.csv`.", ""]
-    tables = {"values": rows, "summary": summary, "family": registered, "power": power, "significance": tests}
-    if bar:
-        tables["bar"] = bar
-    written = [write_csv(out_dir / f"seeds_{name}.csv", table) for name, table in tables.items()]
-    for metric in aggregate.METRICS:
-        here = [r for r in summary if r["metric"] == metric]
-        if not here:
-            continue
-        lengths = sorted({r["length"] for r in here})
-        table: dict[str, dict[int, str]] = {}
-        for r in here:
-            table.setdefault(r["label"], {})[r["length"]] = _interval(r["mean"], r["low"], r["high"])
-        md += [f"### {SEED_TITLES[metric]}", "", pivot_markdown(lengths, table, "model / scaling"), ""]
-        pairs = [t for t in tests if t["metric"] == metric]
-        md += [f"Exploratory differences at p < {aggregate.ALPHA} (exact permutation, unadjusted; "
-               f"{len(pairs)} pairs tested, {_floor_note(pairs)}):", ""]
-        md += _orderings([t for t in pairs if t["significant"]], lengths, metric in aggregate.LOWER_IS_BETTER)
-        md += [""]
-        reference = plots.PAPER_PPL_RATIOS if metric == family.metric == "ppl_ratio" else None  # its study
-        figure = plots.bands_figure(here, SEED_TITLES[metric], SEED_AXES[metric], train_len,
-                                    unit_range=metric != "ppl_ratio", reference=reference)
-        written.append(plots.save(figure, out_dir / f"seeds_{metric}.png"))
-    if attention:
-        keys = list(aggregate.ATTENTION_STATS)
-        md += ["### Attention statistics (mean ± sample SD over seeds)", "",
-               markdown(["model / scaling", "layer", "seeds"] + keys,
-                        [[r["label"], r["layer"], r["n"]] + [_mean_sd(r[k], r[f"{k}_sd"]) for k in keys]
-                         for r in attention]), ""]
-        written.append(write_csv(out_dir / "seeds_attention.csv", attention))
-    md_path = out_dir / "seeds_report.md"
-    md_path.write_text("\n".join(md))
-    return written + [md_path]
-
-
-def _family_markdown(rows: Sequence[dict], power: Sequence[dict], family: aggregate.Family,
-                     bar_only: bool = False) -> list[str]:
-    level = family.alpha / family.size
-    if bar_only:
-        md = [f"## The family's comparisons (`{_shown(family.path)}`) on the runs past the bar: exploratory", "",
-              f"Only the runs whose final checkpoint reaches passkey {BAR} at the training length "
-              "(`--bar-only`). The subset was chosen after the results, so nothing in this report is a "
-              "pre-registered finding: the tests and Holm's adjustment are computed as for the "
-              "family, for comparison with the full analysis.", ""]
-    else:
-        md = [f"## Pre-registered comparisons (`{_shown(family.path)}`)", ""]
-    resampled = ("seeds within each design, each one value" if family.metric == "ppl_ratio"
-                 else "seeds within each design, then cases within each drawn seed")
-    md += [f"{SEED_TITLES[family.metric]}, a vs b (under one scaling, or a's vs b's), {family.size} tests. "
-           "Effect: difference of seed means (a - b) with its 95% cluster-bootstrap interval "
-           f"({family.resamples} resamples: {resampled}). "
-           "p: exact two-sided permutation test over seeds. Holm: adjusted over the whole family "
-           f"(cells not tested count as p = 1); significant: Holm p < {family.alpha}.", ""]
-    body = []
-    for r in rows:
-        if r["tested"]:
-            body.append([r["a"], r["b"], _scalings(r), plots._k(r["length"]), r["n_a"], r["n_b"], r["mean_a"],
-                         r["mean_b"], _effect(r["diff"], r["low"], r["high"]), r["p"], r["p_holm"],
-                         "yes" if r["significant"] else "no"])
-        else:
-            body.append([r["a"], r["b"], _scalings(r), plots._k(r["length"]), r["n_a"], r["n_b"], "", "", "",
-                         "not tested", "", "no"])
-    md += [markdown(["a", "b", "scaling", "length", "seeds a", "seeds b", "mean a", "mean b",
-                     "effect [95% CI]", "p", "p (Holm)", "significant"], body), ""]
-    md += ["### Smallest detectable difference", "",
-           f"Per comparison and length: the difference of seed means detected with 80% power at the level "
-           f"of Holm's first step ({family.alpha} / {family.size} = {level:.2g}, two-sided), by the normal "
-           "approximation with that cell's pooled seed SD. Where the "
-           "smallest p the exact test can give with these seeds is above that level, no difference of "
-           "any size can be significant in this family.", ""]
-    body = [[r["a"], r["b"], _scalings(r), plots._k(r["length"]), r.get("n_a", ""), r.get("n_b", ""),
-             r.get("pooled_sd", ""),
-             r.get("detectable", ""), r.get("smallest_p", ""),
-             ("yes" if r["smallest_p"] <= level else "no") if "smallest_p" in r else ""] for r in power]
-    md += [markdown(["a", "b", "scaling", "length", "seeds a", "seeds b", "pooled seed SD", "detectable difference",
-                     "smallest possible p", f"can reach {level:.2g}"], body), ""]
-    return md
-
-
-def _bar_rows(groups: dict[str, list[tuple[Path, dict]]], progress: dict[Path, BarProgress | None]) -> list[dict]:
-    """Per run with a bar table: its design, seed, first step at the bar and final bar score."""
-    rows = []
-    for name, group in groups.items():
-        for run, results in group:
-            bar = progress.get(run)
-            if bar is not None:
-                rows.append({"group": name, "seed": next(iter(results.values()))["meta"].get("seed"), "run": str(run),
-                             "first_at_bar": bar.first_at_bar, "final_step": bar.steps[-1], "final": bar.final,
-                             "passes": bar.passes})
-    return rows
-
-
-def _bar_markdown(rows: Sequence[dict]) -> list[str]:
-    """The bar per design (runs past it at their final checkpoint) and per run."""
-    designs = list(dict.fromkeys(r["group"] for r in rows))
-    md = ["## The training bar", "",
-          f"Passkey accuracy at the training length on the bar's own cases (`{PROGRESS_FILE}`, disjoint from "
-          f"the evaluation's), per checkpoint: a run is past the bar when its final checkpoint scores at "
-          f"least {BAR}. A run below it has not learned to retrieve at the training length, so its "
-          "extrapolation cells measure that, not extrapolation.", ""]
-    body = []
-    for design in designs:
-        here = [r for r in rows if r["group"] == design]
-        below = ", ".join(f"seed {r['seed']} ({r['final']:.2f})" for r in here if not r["passes"])
-        body.append([design, f"{sum(r['passes'] for r in here)} of {len(here)}", below or "-",
-                     ", ".join(f"{r['seed']}: {r['first_at_bar'] or '-'}" for r in here)])
-    md += [markdown(["design", "past the bar", "below it (final score)", "seed: first step at the bar"], body), ""]
-    return md
-
-
-def _scalings(row: dict) -> str:
-    """A family row's scaling, or `a's vs b's` where the two sides differ."""
-    return row["scaling"] if row["scaling"] == row["scaling_b"] else f"{row['scaling']} vs {row['scaling_b']}"
-
-
-def _shown(path: Path) -> str:
-    """A path relative to the working directory where it lies below it."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def _case_counts(rows: Sequence[dict]) -> dict[str, str]:
-    """Per metric the case counts per seed and cell seen (`16`, or `16-100` where they vary)."""
-    out = {}
-    for metric in aggregate.METRICS:
-        counts = {r["cases"] for r in rows if r["metric"] == metric}
-        if counts:
-            out[metric] = str(min(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
-    return out
-
-
-def _floor_note(pairs: Sequence[dict]) -> str:
-    """How many of the pairs could reach p < ALPHA at all with their seed counts."""
-    able = sum(stats.smallest_p(t["n_a"], t["n_b"]) < aggregate.ALPHA for t in pairs)
-    return f"{able} of them with seeds enough to reach p < {aggregate.ALPHA} at all"
-
-
-def _interval(mean: float, low: float, high: float) -> str:
-    return fmt(mean) if math.isnan(low) else f"{mean:.3g} [{low:.3g}, {high:.3g}]"
-
-
-def _effect(diff: float, low: float, high: float) -> str:
-    return f"{diff:+.3f}" if math.isnan(low) else f"{diff:+.3f} [{low:+.3f}, {high:+.3f}]"
-
-
-def _mean_sd(mean: float, sd: float) -> str:
-    return fmt(mean) if math.isnan(sd) else f"{mean:.3g} ± {sd:.2g}"
-
-
-def _orderings(tests: Sequence[dict], lengths: Sequence[int], lower_is_better: bool) -> list[str]:
-    """One line per length: `a beats b (effect [interval], p)` for each pair given (under the same
-    scaling, or a setup with a scaling against one as trained)."""
-    lines = []
-    for length in lengths:
-        here = [t for t in tests if t["length"] == length]
-        if not here:
-            continue
-        parts = []
-        for t in here:
-            a, b = t["a"], t["b"]
-            scaling_b = t.get("scaling_b", t["scaling"])
-            if scaling_b != t["scaling"]:
-                a, b = f"{a} + {t['scaling']}", f"{b} as trained"
-            better, worse = (a, b) if (t["diff"] < 0) == lower_is_better else (b, a)
-            both = f" (both + {t['scaling']})" if scaling_b == t["scaling"] != "none" else ""
-            effect = _effect(t["diff"], t["low"], t["high"])
-            parts.append(f"{better} beats {worse}{both} ({effect}, p={t['p']:.2g})")
-        lines.append(f"- {plots._k(length)}: " + "; ".join(parts))
-    return lines or ["- none"]
+    return [run for run in run_dirs if progress[run].passes]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

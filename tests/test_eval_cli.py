@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from data.documents import long_documents
 from data.tasks import make_cases
 from eval import report
+from eval import results as result_files
 from eval.__main__ import compose_config, main
 from train.load import load_model
 
@@ -32,7 +33,7 @@ def run(micro_run) -> Path:
 def evaluate(run: Path, out: Path, *overrides: str) -> dict:
     code = main([f"run={run}", f"out_dir={out}", "progress=false", "wandb.mode=disabled", *overrides])
     assert code == 0
-    return report.load_results(out)
+    return result_files.load_results(out)
 
 
 def independent_ppl(run: Path, length: int, n_docs: int, total: int) -> float:
@@ -70,7 +71,7 @@ def test_all_tasks_with_sweep_report_and_wandb_offline(run, tmp_path):
                  "passkey.lengths=[200,400]", "passkey.n_cases=2", "passkey.depths=[0.2,0.8]",
                  "passkey.modes=[teacher,generate]", f"attention.length={4 * L0}"])
     assert code == 0
-    results = report.load_results(out)
+    results = result_files.load_results(out)
     assert {(r["scaling"], r["length"]) for r in results["ppl"]["rows"]} == {
         (s, n) for s in ("none", "dynamic:4") for n in (L0, 8 * L0)}
     cases = results["passkey"]["cases"]

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from eval import report
+from eval import report, tables
+from eval import results as result_files
 from eval.attention_stats import attention_statistics, last_query_scores, layer_statistics
 from eval.perplexity import safe_exp, sliding_windows
 
@@ -149,18 +150,18 @@ def _fake_run(eval_dir: Path, label: str, ppl_at_2x: float, train_len: int = 64)
         for s, f in [("none", 1.0), ("dynamic:4", 0.5)]
         for L, p in [(64, 10.0), (128, ppl_at_2x * f), (256, math.inf)]
     ]
-    report.save_json(eval_dir / "ppl.json", {"meta": meta, "rows": ppl_rows, "notes": []})
+    result_files.save_json(eval_dir / "ppl.json", {"meta": meta, "rows": ppl_rows, "notes": []})
     cases = [
         {"scaling": "none", "length": L, "tokens": L, "depth": dep, "key": "12345",
          "teacher_correct": ok, "teacher_pred": [1], "generate_correct": ok, "generate_pred": [1]}
         for L in (64, 128) for dep, ok in [(0.1, True), (0.9, L == 64)]
     ]
-    report.save_json(eval_dir / "passkey.json", {"meta": meta, "cases": cases, "modes": ["teacher", "generate"]})
+    result_files.save_json(eval_dir / "passkey.json", {"meta": meta, "cases": cases, "modes": ["teacher", "generate"]})
     rows = [{"scaling": "none", "layer": 1, "max_score": 3.0, "min_score": -1.0, "mean_score": 0.0, "std_score": 1.0,
              "outlier_count": 2, "outlier_ratio": 0.01, "max_zscore": 4.0, "local_mass": 0.5, "n_scores": 200}]
-    report.save_json(eval_dir / "attention.json",
+    result_files.save_json(eval_dir / "attention.json",
                      {"meta": meta, "rows": rows, "length": 256, "sigma": 6.0, "window": 16})
-    report.save_profiles(eval_dir / report.PROFILES_FILE, {"none": {1: np.random.randn(2, 256)}})
+    result_files.save_profiles(eval_dir / result_files.PROFILES_FILE, {"none": {1: np.random.randn(2, 256)}})
 
 
 def test_run_report_tables_and_figures(tmp_path):
@@ -171,7 +172,7 @@ def test_run_report_tables_and_figures(tmp_path):
     assert "| none | 10 | 12.5 | inf |" in md
     assert "| dynamic:4 | 10 | 6.25 | inf |" in md
     assert "| none | 1 | 0.5 |" in md  # passkey: both right at 64, one of two at 128
-    summary = report.passkey_summary(report.run_results(eval_dir)["passkey"]["cases"], ["teacher", "generate"])
+    summary = tables.passkey_summary(report.run_results(eval_dir)["passkey"]["cases"], ["teacher", "generate"])
     got = {(r["length"], r["teacher_accuracy"], r["modes_agree"]) for r in summary}
     assert got == {(64, 1.0, 1.0), (128, 0.5, 1.0)}
     for paths in written.values():
@@ -183,7 +184,7 @@ def test_run_report_tables_and_figures(tmp_path):
 
 def test_depth_grid_bins_sweep_depths_exactly():
     cases = [{"length": 64, "depth": d, "t_correct": d < 0.5} for d in (0.0, 0.25, 0.5, 0.75, 1.0) for _ in range(2)]
-    lengths, bins, acc = report.depth_grid(cases, "t")
+    lengths, bins, acc = tables.depth_grid(cases, "t")
     assert lengths == [64] and bins == [0.0, 0.25, 0.5, 0.75, 1.0]
     assert acc[:, 0].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
 
@@ -226,7 +227,7 @@ def csvrows(path: Path):
 
 
 def test_saved_json_roundtrips_inf(tmp_path):
-    report.save_json(tmp_path / "x.json", {"v": math.inf})
+    result_files.save_json(tmp_path / "x.json", {"v": math.inf})
     assert json.loads((tmp_path / "x.json").read_text())["v"] == math.inf
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from eval import long_context_report, report
+from eval import results as result_files
 from eval.__main__ import main
 from eval.position_loss import log_bins, position_losses, span_rows, spans
 from model import GPT, flavor
@@ -69,7 +70,7 @@ def test_report_tables_and_figures_across_runs_from_ruler_results_alone(tmp_path
     runs = []
     for name, label, hits in (("a_s1", "origin", 9), ("b_s1", "alibi", 3)):
         eval_dir = tmp_path / name / "eval"
-        report.save_json(eval_dir / "ruler.json", _ruler_result(label, {
+        result_files.save_json(eval_dir / "ruler.json", _ruler_result(label, {
             ("vt", 256): [1.0] * hits + [0.0] * (10 - hits), ("vt", 512): [0.5] * 10}))
         runs.append(tmp_path / name)
     out = tmp_path / "cmp"

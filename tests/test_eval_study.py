@@ -14,7 +14,8 @@ import torch
 from data.config import DataConfig, TokenizerConfig
 from data.tasks import make_recall_cases
 from data.tokenizer import get_tokenizer
-from eval import aggregate, bar, report
+from eval import aggregate, bar, report, seeds
+from eval import results as result_files
 from eval.recall import recall_accuracy, score_recall
 
 VOCAB = 1024
@@ -73,16 +74,16 @@ def _seed_run(root: Path, name: str, label: str, config_id: str, seed: int, ppl_
     out = root / name / "eval"
     ppl = [{"scaling": "none", "length": n, "stride": 64, "nll": 1.0, "tokens": 1, "documents": 1, "loss": 1.0,
             "ppl": p} for n, p in [(64, 10.0), (128, ppl_2x)]]
-    report.save_json(out / "ppl.json", {"meta": meta, "rows": ppl, "notes": []})
+    result_files.save_json(out / "ppl.json", {"meta": meta, "rows": ppl, "notes": []})
     cases = [{"scaling": "none", "length": 64, "tokens": 64, "depth": 0.5, "key": "1",
               "teacher_correct": i < passkey_hits, "teacher_pred": [1]} for i in range(4)]
-    report.save_json(out / "passkey.json", {"meta": meta, "cases": cases, "modes": ["teacher"]})
+    result_files.save_json(out / "passkey.json", {"meta": meta, "cases": cases, "modes": ["teacher"]})
     recall = [{"scaling": "none", "length": 64, "tokens": 64, "pairs": 9, "queries": 5, "correct": c, "pred": []}
               for c in (min(5, recall_right), max(0, recall_right - 5))]
-    report.save_json(out / "recall.json", {"meta": meta, "cases": recall, "queries": 5})
+    result_files.save_json(out / "recall.json", {"meta": meta, "cases": recall, "queries": 5})
     attention = [{"scaling": "none", "layer": 1, "max_score": float(seed), "min_score": -1.0, "std_score": 1.0,
                   "outlier_ratio": 0.0, "max_zscore": 2.0, "local_mass": 0.5}]
-    report.save_json(out / "attention.json", {"meta": meta, "rows": attention, "length": 128, "sigma": 6.0,
+    result_files.save_json(out / "attention.json", {"meta": meta, "rows": attention, "length": 128, "sigma": 6.0,
                                               "window": 16})
     return root / name
 
@@ -172,9 +173,9 @@ def test_report_without_replicates_writes_no_seed_tables(tmp_path):
 
 def test_seed_groups_are_named_by_run_folder_without_the_seed_or_by_label():
     meta = {"label": "coca-slack", "seed": 3}
-    assert report.design_name(Path("docs/results/coca_strict_s3"), meta) == "coca_strict"
-    assert report.design_name(Path("runs/c1"), meta) == "coca-slack"
-    assert report.design_name(Path("runs/coca_s2"), meta) == "coca-slack"  # suffix is not its seed
+    assert seeds.design_name(Path("docs/results/coca_strict_s3"), meta) == "coca_strict"
+    assert seeds.design_name(Path("runs/c1"), meta) == "coca-slack"
+    assert seeds.design_name(Path("runs/coca_s2"), meta) == "coca-slack"  # suffix is not its seed
 
 
 def test_significance_compares_a_scaling_with_every_setup_as_trained():
@@ -193,7 +194,7 @@ def test_significance_compares_a_scaling_with_every_setup_as_trained():
     assert cross["p"] == pytest.approx(0.1) and cross["diff"] == pytest.approx(0.3)
     assert not cross["significant"]
     assert "- 512: origin + dynamic:8 beats coca as trained (+0.300 [" in "\n".join(
-        report._orderings([cross], [512], lower_is_better=False))
+        seeds._orderings([cross], [512], lower_is_better=False))
 
 
 def test_attention_summary_uses_the_sample_sd():
@@ -224,13 +225,13 @@ def test_runs_group_by_their_config_under_this_schema_not_the_id_stored_at_evalu
             _seed_run(tmp_path, "deep_s1", "origin", "new", 1, 12.0, 3, 9)]
     for run, cfg in zip(runs, [config(1, drop_doc_mask=True), config(2), config(1, n_layer=4)]):
         OmegaConf.save(OmegaConf.create(cfg), run / "config.yaml")
-    loaded = [(run, run / "eval", report.load_results(run / "eval")) for run in runs]
-    groups = report.seed_groups(loaded)
+    loaded = [(run, run / "eval", result_files.load_results(run / "eval")) for run in runs]
+    groups = seeds.seed_groups(loaded)
     assert {name: [run.name for run, _ in group] for name, group in groups.items()} == {
         "origin": ["origin_s1", "origin_s2"], "deep": ["deep_s1"]}
     bare = _seed_run(tmp_path / "bare", "origin_s3", "origin", "stored", 3, 11.0, 4, 10)
-    assert report.setup_of(bare, {"config_id": "stored"}) == "stored"
-    assert report.setup_of(runs[0] / "eval", {}) == report.setup_of(runs[1], {})  # an eval/ folder: its run's
+    assert seeds.setup_of(bare, {"config_id": "stored"}) == "stored"
+    assert seeds.setup_of(runs[0] / "eval", {}) == seeds.setup_of(runs[1], {})  # an eval/ folder: its run's
 
 
 # ----------------------------------------------------------------------------- the training bar

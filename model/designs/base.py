@@ -127,13 +127,6 @@ class ScoreBias(nn.Module):
         return self.element(t, torch.arange(served, device=m.device)[:, None, None], m, n, gap)
 
 
-def positive(p: torch.Tensor, floor: float) -> torch.Tensor:
-    """p kept >= floor as the reference codes' in-place clamp keeps it (the value is clamped, the
-    gradient passes as if it were not, so a parameter below the floor can come back), without
-    writing to the parameter: safe under ZeRO-3, compile and checkpointing."""
-    return p + (p.clamp(min=floor) - p).detach()
-
-
 @dataclass(frozen=True)
 class Design:
     """One attention design of the registry (`model.designs.registry`).

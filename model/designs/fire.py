@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .base import Design, ScoreBias
-from .kerple import wide
+from .learned import wide
 
 WIDTH = 32  # the MLP's hidden units
 INIT_C, INIT_L, EPS = 0.1, 512.0, 1e-6

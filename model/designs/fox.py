@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Design, ScoreBias
-from .kerple import wide
+from .learned import wide
 
 
 class ForgetBias(ScoreBias):

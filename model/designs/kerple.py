@@ -4,7 +4,7 @@ replaced by a learned logarithmic one, per head and layer:
     b_h(m, n) = -r1_h * log(1 + r2_h * (m - n)),   r1_h, r2_h > 0
 
 As the paper's code: r1 drawn from U(0, 2) and r2 from U(0, 1), both kept >= 0.01 by a clamp
-(here on the value, with the gradient passed through: `base.positive`).
+(here on the value, with the gradient passed through: `learned.positive`).
 """
 
 from __future__ import annotations
@@ -12,14 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import Design, ScoreBias, positive
+from .base import Design, ScoreBias
+from .learned import positive, wide
 
 FLOOR = 1e-2  # the reference code's clamp of r1 and r2
-
-
-def wide(p: torch.Tensor) -> torch.Tensor:
-    """A parameter in float32 at least (bf16 weights give a float32 bias; float64 stays float64)."""
-    return p if p.dtype in (torch.float32, torch.float64) else p.float()
 
 
 class KerpleBias(ScoreBias):

@@ -128,8 +128,9 @@ def hf_config(m: ModelConfig, tokenizer: Tokenizer | HFTokenizer) -> dict:
 
 def native(m: ModelConfig) -> bool:
     """Whether the model exports as its architecture's own HF class (Origin without the length
-    temperature, which transformers' classes cannot express), else as the remote-code model."""
-    return m.design.native_hf and not m.length_temperature
+    temperature, sinks or SSMax, which transformers' classes cannot express), else as the
+    remote-code model."""
+    return m.design.native_hf and not (m.length_temperature or m.sinks or m.ssmax)
 
 
 def _block(m: ModelConfig) -> dict:
@@ -138,13 +139,15 @@ def _block(m: ModelConfig) -> dict:
 
 def _remote_config(m: ModelConfig, config: dict) -> dict:
     """The `coca_lm` config: the design (attention, coca_form, its parameters), the length
-    temperature's L0 (0: off) and the `auto_map` naming the remote code."""
+    temperature's L0 (0: off), the softmax modifiers (sinks, ssmax) and the `auto_map` naming the
+    remote code."""
     if not m.design.rope:
         del config["rope_parameters"]
     params = {} if m.params is None else dataclasses.asdict(m.params)
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
             "attention": m.attention, "coca_form": m.coca_form, "design_params": params,
-            "length_temperature": m.max_seq_len if m.length_temperature else 0, **config, **_block(m),
+            "length_temperature": m.max_seq_len if m.length_temperature else 0, "sinks": m.sinks, "ssmax": m.ssmax,
+            **config, **_block(m),
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
 

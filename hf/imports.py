@@ -183,7 +183,8 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
     if model_type == "coca_lm":
         attention, coca_form = config.get("attention", "origin"), config.get("coca_form", "slack")
         design = dict(design_params={attention: config["design_params"]} if config.get("design_params") else {},
-                      length_temperature=bool(config.get("length_temperature")))
+                      length_temperature=bool(config.get("length_temperature")), sinks=bool(config.get("sinks")),
+                      ssmax=bool(config.get("ssmax")))
     activation = config.get("hidden_act", defaults["hidden_act"])
     if activation != _ACTIVATION[arch]:
         raise _refuse(where, "hidden_act", activation, f"this {arch} model uses {_ACTIVATION[arch]} "

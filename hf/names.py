@@ -27,6 +27,12 @@ def _score_bias(cfg: ModelConfig, attention: str) -> dict[str, str]:
     return {f"attn.score_bias.{name}": f"{attention}.score_bias.{name}" for name, _ in module.named_parameters()}
 
 
+def _modifiers(cfg: ModelConfig, attention: str) -> dict[str, str]:
+    """The softmax modifiers' per-head parameters (`attn.sinks`, `attn.ssmax`), under the same names
+    inside the HF layer's attention (gpt-oss's `self_attn.sinks`)."""
+    return {f"attn.{name}": f"{attention}.{name}" for name in ("sinks", "ssmax") if getattr(cfg, name)}
+
+
 def hf_names(cfg: ModelConfig) -> dict[str, str]:
     """Our state-dict name -> GPT-NeoX's, for every parameter of a model of `cfg` (the LM head
     only when untied: tied, it is the embedding). Invert it to read a GPT-NeoX state dict."""
@@ -38,7 +44,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
         for ours, theirs in _LAYER.items():
             for p in ("weight", "bias"):
                 names[f"h.{i}.{ours}.{p}"] = f"gpt_neox.layers.{i}.{theirs}.{p}"
-        for ours, theirs in _score_bias(cfg, "attention").items():
+        for ours, theirs in {**_score_bias(cfg, "attention"), **_modifiers(cfg, "attention")}.items():
             names[f"h.{i}.{ours}"] = f"gpt_neox.layers.{i}.{theirs}"
     return names
 
@@ -66,7 +72,7 @@ def llama_hf_names(cfg: ModelConfig) -> dict[str, str]:
     for i in range(cfg.n_layer):
         for ours, theirs in _LLAMA_LAYER.items():
             names[f"h.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
-        for ours, theirs in _score_bias(cfg, "self_attn").items():
+        for ours, theirs in {**_score_bias(cfg, "self_attn"), **_modifiers(cfg, "self_attn")}.items():
             names[f"h.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return names
 

@@ -36,8 +36,10 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 from .designs import RopeTables
 from .designs.base import ScoreBias
+from .designs.ssmax import ssmax_init, ssmax_scale
 from .documents import Documents, causal_segments, segment_attention
 from .sequence_parallel import SequenceParallel
+from .sink_attention import sink_attention
 
 # Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
 # path's float32 error is proportional to it (`_KeyBiasAttention`).
@@ -631,6 +633,9 @@ class CausalSelfAttention(nn.Module):
             self.v = nn.Linear(cfg.n_embd, kv, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
         self.score_bias = self.design.bias(cfg.n_head, cfg.n_embd) if self.design.bias else None
+        # the softmax modifiers (`model.designs.sinks`, `model.designs.ssmax`): per-head parameters [H]
+        self.sinks = nn.Parameter(torch.empty(cfg.n_head).normal_(0.0, cfg.init_std)) if cfg.sinks else None
+        self.ssmax = nn.Parameter(torch.full((cfg.n_head,), ssmax_init(cfg.max_seq_len))) if cfg.ssmax else None
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -649,16 +654,20 @@ class CausalSelfAttention(nn.Module):
         documents: Documents | None = None,
         queries: int = 0,
         q_scale: torch.Tensor | None = None,
+        key_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens;
         documents: each token's document, for document masking (None: one document). queries > 0:
         the output of the last `queries` positions only [B, queries, C], over the keys of all T.
-        q_scale: each query's score multiplier ([T, 1] or [B, 1, T, 1]: the length temperature)."""
+        q_scale: each query's score multiplier ([T, 1] or [B, 1, T, 1]: the length temperature).
+        key_counts: the keys each query attends to ([T] or [B, T], before a window), for SSMax."""
         B, T, C = x.shape
         q, k, v = self.heads(x)
         q, k = self.design.qk(q, k, rope)
         if q_scale is not None:
             q = q * q_scale
+        if self.ssmax is not None:
+            q = q * ssmax_scale(self.ssmax, key_counts, self.design.window).to(q.dtype)
         score_bias = self.score_bias
         terms = score_bias.terms(x) if score_bias is not None and score_bias.gated else None
         if cache is not None:
@@ -672,7 +681,10 @@ class CausalSelfAttention(nn.Module):
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
             capture.append(AttentionInputs(q, k_eff, bias, self.design.window))
-        y = causal_attention(q, k, v, bias, documents, self.design.window)
+        if self.sinks is None:
+            y = causal_attention(q, k, v, bias, documents, self.design.window)
+        else:
+            y = sink_attention(q, k, v, self.sinks[heads], bias, documents, self.design.window)
         if sp is not None:
             y = sp.to_sequence(y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -35,6 +35,7 @@ from .designs import DESIGNS
 from .designs.origin import ORIGIN
 
 T_INITS = ("from_k", "fresh")
+MODIFIERS = ("sinks", "ssmax")  # the softmax modifiers' config fields, each one parameter [H] per layer
 
 
 class ConversionError(ConfigError):
@@ -57,6 +58,10 @@ def check_conversion(source: ModelConfig, target: ModelConfig, t_init: str = "fr
     """Refuse, in one line, a conversion that cannot make sense."""
     if t_init not in T_INITS:
         raise ConversionError(f"t_init={t_init!r} is not one of {', '.join(T_INITS)}")
+    for name in MODIFIERS:
+        if getattr(source, name) and not getattr(target, name):
+            raise ConversionError(f"the source has model.{name}=true and the target not: a conversion does not "
+                                  f"drop learned parameters")
     if source.attention == target.attention:
         return
     if source.design is not ORIGIN or target.design.from_origin is None:
@@ -74,8 +79,32 @@ def check_conversion(source: ModelConfig, target: ModelConfig, t_init: str = "fr
 
 def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig, t_init: str = "from_k",
             seed: int = 0) -> tuple[dict[str, torch.Tensor], Conversion]:
-    """`state` (the source model's) as the target attention's state dict, and what was carried."""
+    """`state` (the source model's) as the target attention's state dict, and what was carried;
+    softmax modifiers the target adds (`model.sinks`, `model.ssmax`) start as a new model's."""
     check_conversion(source, target, t_init)
+    out, done = _convert_design(state, source, target, t_init, seed)
+    added = _fresh_modifiers(source, target, seed)
+    return {**out, **added}, Conversion(carried=done.carried, fresh=[*done.fresh, *sorted(added)])
+
+
+def _fresh_modifiers(source: ModelConfig, target: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Each layer's parameters of a modifier the target has and the source has not, as a new
+    attention layer of `target` initialises them, drawn from `seed`."""
+    from .attention import CausalSelfAttention
+
+    added = [name for name in MODIFIERS if getattr(target, name) and not getattr(source, name)]
+    state = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in range(target.n_layer) if added else ():
+            module = CausalSelfAttention(target, layer)
+            state.update({f"h.{layer}.attn.{name}": getattr(module, name).detach() for name in added})
+    return state
+
+
+def _convert_design(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig, t_init: str,
+                    seed: int) -> tuple[dict[str, torch.Tensor], Conversion]:
+    """The attention's part of `convert`."""
     out = {name: tensor.clone() for name, tensor in state.items()}
     if source.attention == target.attention:
         return out, Conversion(carried=sorted(out), fresh=[])

@@ -24,6 +24,7 @@ from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
 from .designs import Rope, RopeTables
 from .designs.base import ScoreBias
+from .designs.ssmax import key_counts as key_counts_of
 from .designs.temperature import length_temperature
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
@@ -97,11 +98,11 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg) if cfg.arch == "llama" else MLP(cfg)
 
     def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None, documents=None,
-                queries: int = 0, q_scale: torch.Tensor | None = None):
+                queries: int = 0, q_scale: torch.Tensor | None = None, key_counts: torch.Tensor | None = None):
         """x [B, T, C] -> [B, T, C]; with `queries` > 0 only the last `queries` positions' outputs
         [B, queries, C] (keys and values still come from all T: see `CausalSelfAttention`)."""
         rows = x[:, -queries:] if queries else x
-        attended = self.attn(self.ln_1(x), rope, cache, capture, documents, queries, q_scale)
+        attended = self.attn(self.ln_1(x), rope, cache, capture, documents, queries, q_scale, key_counts)
         if self.parallel:
             return rows + attended + self.mlp(self.ln_2(rows))
         rows = rows + attended
@@ -206,15 +207,20 @@ class GPT(nn.Module):
         if self.cfg.length_temperature:
             scale = length_temperature(at, self.cfg.max_seq_len).to(x.dtype)[..., None]
             q_scale = scale[:, None] if per_document else scale
+        key_counts = None
+        if self.cfg.ssmax:  # the keys each query attends to: within its document under doc_mask
+            within = documents.positions[:, first : first + T] if documents is not None else at
+            key_counts = key_counts_of(within)
         remat = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         keep = keep if 0 < keep < T and capture is None and documents is None else 0
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
             queries = keep if i == len(self.h) - 1 else 0
             if remat and layer_cache is None and capture is None:
-                x = checkpoint(block, x, rope, None, None, documents, queries, q_scale, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, None, documents, queries, q_scale, key_counts,
+                               use_reentrant=False)
             else:
-                x = block(x, rope, layer_cache, capture, documents, queries, q_scale)
+                x = block(x, rope, layer_cache, capture, documents, queries, q_scale, key_counts)
         return self.ln_f(x)
 
     def forward(

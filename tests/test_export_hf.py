@@ -268,6 +268,28 @@ def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
     assert torch.equal(theirs, ours)
 
 
+@pytest.mark.parametrize("variant", ["neox", "llama"])
+@pytest.mark.parametrize("design", ["origin", "fox", "hybrid"])
+def test_softmax_modifiers_export_through_the_remote_code(design, variant, tokenizer, tmp_path):
+    """Sinks and SSMax (drawn at std 0.3 like every weight: sinks around 0, s of either sign) on a
+    RoPE design (Origin, then remote code), a gated bias (FoX: its terms in the HF cache) and the
+    windowed hybrid: the logits at L0 and 8 L0, and greedy generation over transformers' cache."""
+    model = random_model(tokenizer, design, variant, sinks=True, ssmax=True)
+    idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
+    out = export_hf(model, tokenizer, tmp_path / "export")
+    assert (out / "modeling_coca_lm.py").exists()
+    hf = load_hf(out)
+    assert hf.config.sinks and hf.config.ssmax
+    with torch.no_grad():
+        for length in (L0, 8 * L0):
+            want = model(idx[:, :length])
+            torch.testing.assert_close(hf(idx[:, :length]).logits, want, rtol=0, atol=1e-5)
+            assert want.std() > 0.05
+    prompt = idx[:1, :20]
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    assert torch.equal(theirs, model.generate(prompt, 32, greedy=True))
+
+
 @pytest.mark.parametrize("variant, design", [("neox", "origin"), ("llama", "origin"), ("llama", "coca-slack"),
                                              ("llama-tied", "coca-strict")])
 @pytest.mark.parametrize("kind", ["dynamic", "yarn", "llama3"])

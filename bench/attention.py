@@ -103,7 +103,8 @@ def make_step(variant: str, n: int, args):
     grad_out = torch.randn(shape, device=device, dtype=dtype)
     rope = None
     if design(variant).rope:
-        rope = Rope(args.head_dim, 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
+        width = design(variant).rope_width(args.head_dim) if design(variant).rope_width else args.head_dim
+        rope = Rope(width, 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
     inputs = [x, *layer.parameters()] if train else []
     counts = torch.arange(1, n + 1, device=device)  # SSMax's n per query
 

@@ -65,7 +65,7 @@ def rope_parameters(m: ModelConfig) -> dict:
     if m.arch == "neox":
         params["partial_rotary_factor"] = float(m.rotary_pct)
     if s.type == "ntk":
-        rope = designs.Rope(m.rotary_dims, m.rope_base, m.max_seq_len, s)
+        rope = designs.Rope(m.rope_width(), m.rope_base, m.max_seq_len, s)
         params["rope_theta"] = rope.base_at(m.max_seq_len)
     elif s.type in ("linear", "dynamic"):
         params.update(rope_type=s.type, factor=float(s.factor))

@@ -178,7 +178,8 @@ def rope_from_config(config: CocaLMConfig) -> Rope:
     rotary_dims = int(head_dim * p.get("partial_rotary_factor", 1.0))
     design = design_of(config.attention, config.coca_form)
     pairs = None if design.rotating_pairs is None else design.rotating_pairs(design_params(config), rotary_dims // 2)
-    return Rope(rotary_dims, float(p.get("rope_theta", 10000.0)),
+    width = rotary_dims if design.rope_width is None else design.rope_width(rotary_dims)
+    return Rope(width, float(p.get("rope_theta", 10000.0)),
                 p.get("original_max_position_embeddings") or config.max_position_embeddings, scaling, pairs)
 
 

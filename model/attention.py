@@ -681,10 +681,14 @@ class CausalSelfAttention(nn.Module):
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
             capture.append(AttentionInputs(q, k_eff, bias, self.design.window))
+        width = v.shape[-1]
+        if q.shape[-1] != width:  # q_eff wider than v (PoPE's): v zero-padded, the fused kernels want one size
+            v = F.pad(v, (0, q.shape[-1] - width))
         if self.sinks is None:
             y = causal_attention(q, k, v, bias, documents, self.design.window)
         else:
             y = sink_attention(q, k, v, self.sinks[heads], bias, documents, self.design.window)
+        y = y[..., :width]
         if sp is not None:
             y = sp.to_sequence(y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -242,6 +242,11 @@ class ModelConfig:
         d = self.design
         return None if d.rotating_pairs is None else d.rotating_pairs(self.params, self.rotary_dims // 2)
 
+    def rope_width(self) -> int:
+        """The width of the RoPE tables the design reads (`Design.rope_width`; RoPE's: rotary_dims)."""
+        d = self.design
+        return self.rotary_dims if d.rope_width is None else d.rope_width(self.rotary_dims)
+
     @property
     def kv_heads(self) -> int:
         """Key/value heads: n_kv_head, or n_head where it is null."""

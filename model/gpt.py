@@ -145,7 +145,7 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.rope = (
-            Rope(cfg.rotary_dims, cfg.rope_base, cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len,
+            Rope(cfg.rope_width(), cfg.rope_base, cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len,
                  cfg.rope_scaling, pairs=cfg.rope_pairs())
             if cfg.design.rope
             else None

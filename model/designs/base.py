@@ -151,6 +151,8 @@ class Design:
     window: a sliding window of this many keys (the query's own included; 0: every earlier key).
     rotating_pairs: (params, rotary pairs) -> how many pairs rotate, the highest frequencies first
       (the rest get frequency 0: `Rope(pairs=...)`); None: all of them.
+    rope_width: (rotary dims r) -> the width of the RoPE tables its `qk` reads (PoPE's 2r: one
+      frequency per component, base^(-c/r)); None: r (RoPE's r/2 frequencies, duplicated).
     params: the dataclass of the design's parameters, with their defaults and checks (the config's
       `model.design_params.<key>.<name>`, the export's `design_params`); None: it has none.
     for_layer: (params, layer index, n_layer) -> the Design layer `index` runs (a parametrised
@@ -171,6 +173,7 @@ class Design:
     from_origin: Optional[str] = None
     window: int = 0
     rotating_pairs: Optional[Callable[[Any, int], int]] = None
+    rope_width: Optional[Callable[[int], int]] = None
     params: Optional[type] = None
     for_layer: Optional[Callable[[Any, int, int], Design]] = None
 

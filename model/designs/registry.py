@@ -16,10 +16,11 @@ from .hybrid import HYBRID
 from .kerple import KERPLE
 from .nope import NOPE
 from .origin import ORIGIN
+from .pope import POPE
 from .prope import PROPE
 
 DESIGNS: dict[str, Design] = {d.key: d for d in (ORIGIN, ALIBI, COCA_SLACK, COCA_STRICT, NOPE, PROPE, HYBRID,
-                                                  KERPLE, FIRE, FOX)}
+                                                  KERPLE, FIRE, FOX, POPE)}
 ATTENTIONS: tuple[str, ...] = tuple(dict.fromkeys(d.attention for d in DESIGNS.values()))  # model.attention
 COCA_FORMS: tuple[str, ...] = tuple(d.coca_form for d in DESIGNS.values() if d.coca_form)
 BY_LABEL: dict[str, Design] = {d.label: d for d in DESIGNS.values()}

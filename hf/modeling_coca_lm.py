@@ -300,6 +300,8 @@ class CocaLMAttention(nn.Module):
         bias = self.design.bias
         self.score_bias = bias(config.num_attention_heads, config.hidden_size) if bias else None
         heads = config.num_attention_heads
+        transform, params = self.design.transform, design_params(config)
+        self.qk_transform = transform(params, heads, rope_from_config(config).rotary_dims) if transform else None
         self.sinks = nn.Parameter(torch.zeros(heads)) if config.sinks else None
         init = ssmax_init(config.max_position_embeddings) if config.ssmax else 0.0
         self.ssmax = nn.Parameter(torch.full((heads,), init)) if config.ssmax else None
@@ -316,7 +318,7 @@ class CocaLMAttention(nn.Module):
                 q_scale: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        q, k = self.design.qk(q, k, rope)
+        q, k = (self.design.qk if self.qk_transform is None else self.qk_transform)(q, k, rope)
         if q_scale is not None:
             q = q * q_scale
         if self.ssmax is not None:

@@ -28,9 +28,15 @@ def _score_bias(cfg: ModelConfig, attention: str) -> dict[str, str]:
 
 
 def _modifiers(cfg: ModelConfig, attention: str) -> dict[str, str]:
-    """The softmax modifiers' per-head parameters (`attn.sinks`, `attn.ssmax`), under the same names
-    inside the HF layer's attention (gpt-oss's `self_attn.sinks`)."""
-    return {f"attn.{name}": f"{attention}.{name}" for name in ("sinks", "ssmax") if getattr(cfg, name)}
+    """The softmax modifiers' per-head parameters (`attn.sinks`, `attn.ssmax`; gpt-oss's name for
+    the sinks) and a design's q/k transform module's (`attn.qk_transform.*`: PoPE's phase bias),
+    under the same names inside the HF layer's attention."""
+    names = {f"attn.{name}": f"{attention}.{name}" for name in ("sinks", "ssmax") if getattr(cfg, name)}
+    transform = cfg.design.transform and cfg.design.transform(cfg.params, cfg.n_head, cfg.rope_width())
+    if transform is not None:
+        names.update({f"attn.qk_transform.{name}": f"{attention}.qk_transform.{name}"
+                      for name, _ in transform.named_parameters()})
+    return names
 
 
 def hf_names(cfg: ModelConfig) -> dict[str, str]:

@@ -633,6 +633,8 @@ class CausalSelfAttention(nn.Module):
             self.v = nn.Linear(cfg.n_embd, kv, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
         self.score_bias = self.design.bias(cfg.n_head, cfg.n_embd) if self.design.bias else None
+        transform = self.design.transform  # a q/k transform with parameters (PoPE's phase bias)
+        self.qk_transform = transform(cfg.params, cfg.n_head, cfg.rope_width()) if transform else None
         # the softmax modifiers (`model.designs.sinks`, `model.designs.ssmax`): per-head parameters [H]
         self.sinks = nn.Parameter(torch.empty(cfg.n_head).normal_(0.0, cfg.init_std)) if cfg.sinks else None
         self.ssmax = nn.Parameter(torch.full((cfg.n_head,), ssmax_init(cfg.max_seq_len))) if cfg.ssmax else None
@@ -663,7 +665,7 @@ class CausalSelfAttention(nn.Module):
         key_counts: the keys each query attends to ([T] or [B, T], before a window), for SSMax."""
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        q, k = self.design.qk(q, k, rope)
+        q, k = (self.design.qk if self.qk_transform is None else self.qk_transform)(q, k, rope)
         if q_scale is not None:
             q = q * q_scale
         if self.ssmax is not None:

@@ -83,23 +83,25 @@ def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelCo
     softmax modifiers the target adds (`model.sinks`, `model.ssmax`) start as a new model's."""
     check_conversion(source, target, t_init)
     out, done = _convert_design(state, source, target, t_init, seed)
-    added = _fresh_modifiers(source, target, seed)
+    added = _fresh_layer_parameters(out, target, seed)
     return {**out, **added}, Conversion(carried=done.carried, fresh=[*done.fresh, *sorted(added)])
 
 
-def _fresh_modifiers(source: ModelConfig, target: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Each layer's parameters of a modifier the target has and the source has not, as a new
-    attention layer of `target` initialises them, drawn from `seed`."""
+def _fresh_layer_parameters(state: dict[str, torch.Tensor], target: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Each attention layer's parameters the target has and `state` lacks (a softmax modifier's,
+    a q/k transform's: PoPE's phase bias), as a new attention layer of `target` initialises them,
+    drawn from `seed`."""
     from .attention import CausalSelfAttention
 
-    added = [name for name in MODIFIERS if getattr(target, name) and not getattr(source, name)]
-    state = {}
+    fresh = {}
+    if not (target.sinks or target.ssmax or target.design.transform):
+        return fresh
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for layer in range(target.n_layer) if added else ():
-            module = CausalSelfAttention(target, layer)
-            state.update({f"h.{layer}.attn.{name}": getattr(module, name).detach() for name in added})
-    return state
+        for layer in range(target.n_layer):
+            names = {f"h.{layer}.attn.{name}": p for name, p in CausalSelfAttention(target, layer).named_parameters()}
+            fresh.update({name: p.detach() for name, p in names.items() if name not in state})
+    return fresh
 
 
 def _convert_design(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig, t_init: str,

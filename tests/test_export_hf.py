@@ -40,7 +40,8 @@ L0 = 32
 # p-RoPE at p = 0.5: with llama's 4 rotary pairs the default 0.25 rotates only theta_0 = 1, which no
 # scaling changes (the test checks that each scaling changes the logits).
 EXTRAS = {"origin": dict(rotary_pct=0.5, parallel_residual=False), "coca-slack": dict(rotary_pct=0.5),
-          "p-rope": dict(design_params={"prope": {"p": 0.5}}), "hybrid": dict(length_temperature=True)}
+          "p-rope": dict(design_params={"prope": {"p": 0.5}}), "hybrid": dict(length_temperature=True),
+          "pope": dict(design_params={"pope": {"phase_bias": True}})}
 DESIGNS = {label: {**design.settings(), **EXTRAS.get(label, {})} for label, design in BY_LABEL.items()}
 SAMPLE = (
     "The quick brown fox, naïve café owner, paid €12.50 for 3 crêpes.\n"

@@ -24,15 +24,18 @@ ARCHS = {  # neox rotates half of each head (rotary_pct 0.5); llama: 4 query hea
     "neox": dict(n_head=2, n_embd=32, rotary_pct=0.5),
     "llama": dict(arch="llama", parallel_residual=False, n_head=4, n_kv_head=2, n_embd=32),
 }
-MODIFIERS = {"plain": {}, "sinks+ssmax": dict(sinks=True, ssmax=True)}
+MODIFIERS = {"plain": {}, "sinks+ssmax": dict(sinks=True, ssmax=True),
+             "phase-bias": dict(design_params={"pope": {"phase_bias": True}})}
 
 
 def reference_output(layer: CausalSelfAttention, x: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor,
                      r: int) -> torch.Tensor:
-    """Per head and pair (m, n) allowed (n <= m, one document), with theta_c = base^(-c / r):
+    """Per head h and pair (m, n) allowed (n <= m, one document), with theta_c = base^(-c / r):
 
-        a(m, n) = sum_{c < r} softplus(q_mc) softplus(k_nc) cos((pos_m - pos_n) theta_c)
+        a(m, n) = sum_{c < r} softplus(q_mc) softplus(k_nc) cos((pos_m - pos_n) theta_c - delta_hc)
                   + sum_{d >= r} q_md k_nd,                      z = a / sqrt(D),
+
+    delta the layer's phase bias clamped to [-2 pi, 0] where it has one (else 0),
 
     then SSMax's s_h log N_m (N_m the allowed keys) and the sink's exp(a_h) in the denominator
     where the layer has them; out_m = sum_n p_mn v_n, the layer's projections around."""
@@ -47,9 +50,13 @@ def reference_output(layer: CausalSelfAttention, x: torch.Tensor, pos: torch.Ten
     sp = torch.nn.functional.softplus
     distance = (pos[:, :, None] - pos[:, None, :]).to(F64)[:, None]  # [B, 1, T, T]
     a = torch.zeros(B, H, T, T, dtype=F64)
+    delta = torch.zeros(H, r, dtype=F64)
+    if layer.qk_transform is not None:
+        delta = layer.qk_transform.delta.clamp(-2 * math.pi, 0.0)
     for c in range(r):
         theta = BASE ** (-c / r)
-        a = a + sp(q[..., c])[..., :, None] * sp(k[..., c])[..., None, :] * torch.cos(distance * theta)
+        phase = distance * theta - delta[:, c, None, None]
+        a = a + sp(q[..., c])[..., :, None] * sp(k[..., c])[..., None, :] * torch.cos(phase)
     a = a + q[..., r:] @ k[..., r:].transpose(-1, -2)
     z = a / math.sqrt(D)
     m, n = torch.arange(T)[:, None], torch.arange(T)[None, :]
@@ -144,6 +151,27 @@ def test_activation_checkpointing_gives_the_same_gradients():
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_phase_bias_starts_at_zero_and_converts_from_origin_as_zero():
+    """The phase bias starts at 0 (plain PoPE's scores); an Origin model converts into PoPE with it,
+    every tensor carried and the offsets drawn as a new model's (zeros)."""
+    with_bias = gpt(design_params={"pope": {"phase_bias": True}})
+    assert [n for n, _ in with_bias.named_parameters() if "qk_transform" in n] == [
+        "h.0.attn.qk_transform.delta", "h.1.attn.qk_transform.delta"]
+    source = gpt("origin")
+    target_cfg = ModelConfig(**{**source.cfg.__dict__, "attention": "pope",
+                                "design_params": {"pope": {"phase_bias": True}}})
+    state, done = convert(source.state_dict(), source.cfg, target_cfg)
+    assert done.fresh == ["h.0.attn.qk_transform.delta", "h.1.attn.qk_transform.delta"]
+    assert all(torch.equal(state[k], v) for k, v in source.state_dict().items())
+    assert not state["h.0.attn.qk_transform.delta"].any()
+    plain = GPT(ModelConfig(**{**source.cfg.__dict__, "attention": "pope"})).double()
+    biased = GPT(target_cfg).double()
+    plain.load_state_dict(source.state_dict())
+    biased.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(biased(IDX), plain(IDX), rtol=1e-12, atol=1e-12)
 
 
 def test_an_origin_model_converts_keeping_every_tensor():

@@ -153,6 +153,9 @@ class Design:
       (the rest get frequency 0: `Rope(pairs=...)`); None: all of them.
     rope_width: (rotary dims r) -> the width of the RoPE tables its `qk` reads (PoPE's 2r: one
       frequency per component, base^(-c/r)); None: r (RoPE's r/2 frequencies, duplicated).
+    transform: (params, n_head, rope width) -> a module whose call replaces `qk` with learned
+      parameters of its own (the layer's `qk_transform`: PoPE's phase bias), or None where
+      `qk` serves; None: `qk` always.
     params: the dataclass of the design's parameters, with their defaults and checks (the config's
       `model.design_params.<key>.<name>`, the export's `design_params`); None: it has none.
     for_layer: (params, layer index, n_layer) -> the Design layer `index` runs (a parametrised
@@ -174,6 +177,7 @@ class Design:
     window: int = 0
     rotating_pairs: Optional[Callable[[Any, int], int]] = None
     rope_width: Optional[Callable[[int], int]] = None
+    transform: Optional[Callable[[Any, int, int], Optional[nn.Module]]] = None
     params: Optional[type] = None
     for_layer: Optional[Callable[[Any, int, int], Design]] = None
 

@@ -65,6 +65,10 @@ def rope_parameters(m: ModelConfig) -> dict:
     if m.arch == "neox":
         params["partial_rotary_factor"] = float(m.rotary_pct)
     if s.type == "ntk":
+        if any(m.layer_design(i).rope_base for i in range(m.n_layer)):
+            raise ExportError("rope_scaling ntk on a model whose layers have RoPE bases of their own: the export "
+                              "writes a static NTK base as rope_theta, which only the model's base can carry; "
+                              "export it unscaled or with another scaling (dynamic, yarn, linear, llama3)")
         rope = designs.Rope(m.rope_width(), m.rope_base, m.max_seq_len, s)
         params["rope_theta"] = rope.base_at(m.max_seq_len)
     elif s.type in ("linear", "dynamic"):

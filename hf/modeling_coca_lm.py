@@ -163,10 +163,11 @@ class RopeScaling:
     high_freq_factor: float
 
 
-def rope_from_config(config: CocaLMConfig) -> Rope:
+def rope_from_config(config: CocaLMConfig, base: float | None = None) -> Rope:
     """RoPE under `config.rope_parameters` (rope_type default is our none; a static NTK base is
     exported as default with the scaled `rope_theta`), scaled from `original_max_position_embeddings`
-    (yarn, llama3) or else `max_position_embeddings`, as transformers' own models do."""
+    (yarn, llama3) or else `max_position_embeddings`, as transformers' own models do; at `base`
+    instead of `rope_theta` where given (a layer's own: the hybrid's global RoPE layers)."""
     p = config.rope_parameters
     kind = p.get("rope_type", "default")
     if kind not in ("default", "linear", "dynamic", "yarn", "llama3"):
@@ -179,7 +180,7 @@ def rope_from_config(config: CocaLMConfig) -> Rope:
     design = design_of(config.attention, config.coca_form)
     pairs = None if design.rotating_pairs is None else design.rotating_pairs(design_params(config), rotary_dims // 2)
     width = rotary_dims if design.rope_width is None else design.rope_width(rotary_dims)
-    return Rope(width, float(p.get("rope_theta", 10000.0)),
+    return Rope(width, float(base or p.get("rope_theta", 10000.0)),
                 p.get("original_max_position_embeddings") or config.max_position_embeddings, scaling, pairs)
 
 
@@ -451,6 +452,10 @@ class CocaLMModel(CocaLMPreTrainedModel):
             self.embed_in, self.final_layer_norm = embedding, norm_layer(config)
         check_rope_parameters(config)
         self.rope = rope_from_config(config) if design_of(config.attention, config.coca_form).rope else None
+        bases = [layer.self_attn.design.rope_base if layer.llama else layer.attention.design.rope_base
+                 for layer in self.layers]  # a layer's own RoPE base (the hybrid's global RoPE layers)
+        self.layer_ropes = [self.rope if self.rope is None or base is None else rope_from_config(config, base)
+                            for base in bases]
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -478,12 +483,12 @@ class CocaLMModel(CocaLMPreTrainedModel):
         counts = key_counts(positions)  # SSMax's n: the keys each query attends to, padding included
         if positions.dim() == 2:  # [B, T] -> [B, 1, T]: tables and scales broadcast over heads
             positions = positions[:, None, :]
-        rope = self.rope.tables(positions, past + T, x.dtype) if self.rope is not None else None
+        tables = {id(r): r.tables(positions, past + T, x.dtype) for r in self.layer_ropes if r is not None}
         q_scale = None
         if self.config.length_temperature:
             q_scale = length_temperature(positions, self.config.length_temperature).to(x.dtype)[..., None]
-        for layer in self.layers:
-            x = layer(x, rope, cache, key_mask, q_scale, counts)
+        for layer, rope in zip(self.layers, self.layer_ropes):
+            x = layer(x, None if rope is None else tables[id(rope)], cache, key_mask, q_scale, counts)
         return self.final_norm(x)
 
 

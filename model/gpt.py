@@ -150,6 +150,13 @@ class GPT(nn.Module):
             if cfg.design.rope
             else None
         )
+        # each layer's RoPE: the model's, or one at the layer's own base (the hybrid's global RoPE layers)
+        self.layer_ropes = [
+            self.rope if self.rope is None or cfg.layer_design(i).rope_base is None
+            else Rope(cfg.rope_width(), cfg.layer_design(i).rope_base, self.rope.train_len, cfg.rope_scaling,
+                      pairs=cfg.rope_pairs())
+            for i in range(cfg.n_layer)
+        ]
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.apply(lambda module: init_weights(module, cfg.init_std))
 
@@ -199,10 +206,11 @@ class GPT(nn.Module):
         # [B, T] (per row; heads broadcast) or [T]
         at = positions(documents.ids)[:, first : first + T] if per_document else torch.arange(first, first + T,
                                                                                              device=idx.device)
-        rope = None
-        if self.rope is not None:
-            cos, sin = self.rope.tables(at, length, x.dtype)
-            rope = (cos[:, None], sin[:, None]) if per_document else (cos, sin)
+        tables = {}  # per Rope (layers at one base share their tables)
+        for rope in self.layer_ropes:
+            if rope is not None and id(rope) not in tables:
+                cos, sin = rope.tables(at, length, x.dtype)
+                tables[id(rope)] = (cos[:, None], sin[:, None]) if per_document else (cos, sin)
         q_scale = None
         if self.cfg.length_temperature:
             scale = length_temperature(at, self.cfg.max_seq_len).to(x.dtype)[..., None]
@@ -216,6 +224,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
             queries = keep if i == len(self.h) - 1 else 0
+            rope = None if self.layer_ropes[i] is None else tables[id(self.layer_ropes[i])]
             if remat and layer_cache is None and capture is None:
                 x = checkpoint(block, x, rope, None, None, documents, queries, q_scale, key_counts,
                                use_reentrant=False)
@@ -274,8 +283,8 @@ class GPT(nn.Module):
         old = self.cfg.rope_scaling
         scaling = replace(old, type=type, factor=factor)  # YaRN's betas and the original length stay
         self.cfg = replace(self.cfg, rope_scaling=scaling)  # re-validates (e.g. a scaling on ALiBi)
-        if self.rope is not None:
-            self.rope.scaling = scaling
+        for rope in {id(r): r for r in self.layer_ropes if r is not None}.values():
+            rope.scaling = scaling
 
     def set_length_temperature(self, on: bool) -> None:
         """Switch the length temperature (`ModelConfig.length_temperature`) on a trained model."""

@@ -291,6 +291,28 @@ def test_softmax_modifiers_export_through_the_remote_code(design, variant, token
     assert torch.equal(theirs, model.generate(prompt, 32, greedy=True))
 
 
+@pytest.mark.parametrize("variant", ["neox", "llama"])
+def test_hybrid_with_global_rope_layers_at_their_own_base_exports(variant, tokenizer, tmp_path):
+    """Gemma 3's layout (local windowed RoPE, every second layer global RoPE at base 50): logits at
+    L0 and 8 L0 under each scaling the export can carry, and greedy generation; a static NTK base,
+    which only the model's rope_theta can carry, is refused in one line."""
+    params = {"hybrid": {"nope_every": 2, "window": 5, "global_layers": "origin", "global_rope_base": 50.0}}
+    model = random_model(tokenizer, "hybrid", variant, design_params=params, length_temperature=False)
+    idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
+    for kind, factor in (("none", 1.0), ("dynamic", 4.0), ("yarn", 4.0)):
+        model.set_rope_scaling(kind, factor)
+        hf = load_hf(export_hf(model, tokenizer, tmp_path / kind))
+        with torch.no_grad():
+            for length in (L0, 8 * L0):
+                torch.testing.assert_close(hf(idx[:, :length]).logits, model(idx[:, :length]), rtol=0, atol=1e-5)
+    prompt = idx[:1, :20]
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    assert torch.equal(theirs, model.generate(prompt, 32, greedy=True))
+    model.set_rope_scaling("ntk", 4.0)
+    with pytest.raises(ExportError, match="rope_scaling ntk on a model whose layers have RoPE bases of their own"):
+        export_hf(model, tokenizer, tmp_path / "ntk")
+
+
 @pytest.mark.parametrize("variant, design", [("neox", "origin"), ("llama", "origin"), ("llama", "coca-slack"),
                                              ("llama-tied", "coca-strict")])
 @pytest.mark.parametrize("kind", ["dynamic", "yarn", "llama3"])

@@ -111,6 +111,7 @@ class AttentionInputs(NamedTuple):
     k_eff: torch.Tensor  # [B, H, T, D] (under GQA each kv head repeated for the query heads it serves)
     bias: LayerBias | None  # the score bias (`LayerBias.scores`), for a design with one
     window: int = 0  # a sliding window's keys (0: every earlier key)
+    sinks: torch.Tensor | None = None  # the sink logits a_h [H] in each softmax's denominator (`model.sinks`)
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -682,7 +683,8 @@ class CausalSelfAttention(nn.Module):
         bias = None if score_bias is None else LayerBias(score_bias, terms, heads=heads)
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
-            capture.append(AttentionInputs(q, k_eff, bias, self.design.window))
+            sinks = None if self.sinks is None else self.sinks[heads].detach()
+            capture.append(AttentionInputs(q, k_eff, bias, self.design.window, sinks))
         width = v.shape[-1]
         if q.shape[-1] != width:  # q_eff wider than v (PoPE's): v zero-padded, the fused kernels want one size
             v = F.pad(v, (0, q.shape[-1] - width))

@@ -143,7 +143,8 @@ def test_capture_qk_gives_the_layer_scores(attention, form, arch, layer):
     idx = tokens(1, 12, seed=6)
     captured = model.capture_qk(idx)
     assert len(captured) == model.cfg.n_layer
-    q_eff, k_eff, bias, window = captured[layer]
+    q_eff, k_eff, bias, window, sinks = captured[layer]
+    assert sinks is None  # no model.sinks
     width = 16 if attention == "pope" else 8
     assert (bias is None) == (design_of(attention, form).bias is None) and q_eff.shape == (1, 2, 12, width)
     assert window == (3 if (attention, layer) == ("hybrid", 0) else 0)

@@ -225,6 +225,13 @@ def test_document_masking_counts_keys_within_each_document_without_doc_positions
     torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
 
 
+def test_capture_qk_carries_each_layers_sinks_for_the_attention_statistics():
+    model = gpt("origin", sinks=True)
+    for layer, captured in zip(model.h, model.capture_qk(IDX)):
+        assert torch.equal(captured.sinks, layer.attn.sinks.detach())
+    assert all(c.sinks is None for c in gpt("origin").capture_qk(IDX))
+
+
 @pytest.mark.parametrize("attention", ["origin", "fox"])
 def test_activation_checkpointing_gives_the_same_gradients(attention):
     grads = []

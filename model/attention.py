@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 from .designs import RopeTables
 from .designs.base import ScoreBias
+from .designs.sinks import sink_gradient, sink_mass, with_sinks
 from .designs.ssmax import ssmax_init, ssmax_scale
 from .documents import Documents, causal_segments, segment_attention
 from .sequence_parallel import SequenceParallel
@@ -243,7 +244,8 @@ class _KeyBiasAttention(torch.autograd.Function):
     column's (FoX's gates); the centre is a constant, as the output does not depend on it."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         B, H, tq, D = q.shape
         scale = D**-0.5
         k_ext, v_ext = _extended(k, H), _extended(v, H)
@@ -256,12 +258,21 @@ class _KeyBiasAttention(torch.autograd.Function):
                 o, lse_part = _FLASH(q_c, k_ext[..., part, :], v_ext[..., part, :], 0.0, causal, scale=scale)
                 merged, total = _merge(merged, total, o, lse_part)
             out[..., rows, :], lse[..., rows] = merged, total
-        ctx.save_for_backward(q, k, v, values, out, lse)
+        mass = None
+        if sinks is not None:  # the sink a_h in the kernel's units, a_h + c_h(m) - c_h(centre), per chunk
+            first, shifted = k.shape[-2] - tq, torch.empty_like(lse, dtype=values.dtype)
+            for rows, _, centre, _ in _chunks(tq, first):
+                own = values[..., first + rows.start : first + rows.stop]
+                shifted[..., rows] = own - values[..., centre : centre + 1]
+            shifted += sinks.to(values.dtype)[:, None]
+            out, lse = with_sinks(out, lse, shifted)
+            mass = sink_mass(lse, shifted)
+        ctx.save_for_backward(q, k, v, values, out, lse, sinks, mass)
         return out[..., :D]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v, values, out, lse = ctx.saved_tensors
+        q, k, v, values, out, lse, sinks, mass = ctx.saved_tensors
         B, H, tq, D = q.shape
         scale, offset = D**-0.5, k.shape[-2] - tq
         grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -295,7 +306,10 @@ class _KeyBiasAttention(torch.autograd.Function):
             grad_values = column.to(torch.float64) / scale
             if values.shape[0] != B:
                 grad_values = grad_values.sum(0, keepdim=True)
-        return grad_q, grad_k, grad_v, grad_values
+        if sinks is None:
+            return grad_q, grad_k, grad_v, grad_values
+        grad_sinks = sink_gradient(grad, out[..., :D], mass).to(sinks.dtype) if ctx.needs_input_grad[4] else None
+        return grad_q, grad_k, grad_v, grad_values, grad_sinks
 
 
 def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:

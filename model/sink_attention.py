@@ -5,7 +5,11 @@ when `model.sinks` is on.
   evaluation of the q/k designs): the fused flash kernel (`_SinkFlash`), whose output and
   log-sum-exp take the sink afterwards (`with_sinks`); its backward given those is the sinked
   attention's, plus the sink's own gradient. Memory and time are the fused kernel's.
-- Anything else (a score bias, a window, a KV-cache step, GPU, bf16): explicit scores with the sink
+- CPU, fp32 / fp64, a separable score bias (ALiBi, FoX), no window: the fused key-bias kernel
+  (`model.attention._KeyBiasAttention`), which applies the sink to its output and log-sum-exp the
+  same way.
+- Anything else (KERPLE's and FIRE's biases, a window, a KV-cache step without a bias, GPU,
+  bf16): explicit scores with the sink
   as one more column over chunks of query rows (`sink_attention_rows`), each chunk recomputed in
   backward (memory O(rows x keys)); under document masking per document (`segments`).
 """
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .designs.sinks import sink_attention_rows, sink_gradient, with_sinks
+from .designs.sinks import sink_attention_rows, sink_gradient, sink_mass, with_sinks
 from .documents import Documents, segments
 
 if TYPE_CHECKING:
@@ -37,10 +41,14 @@ def sink_attention(q, k, v, sinks: torch.Tensor, bias: LayerBias | None = None,
     query heads served (all, or a sequence-parallel rank's)."""
     if documents is not None:
         return _document_sinks(q, k, v, sinks, bias, documents, window)
-    fused = (not q.is_cuda and q.dtype in (torch.float32, torch.float64) and bias is None and not window
-             and q.shape[-2] == k.shape[-2])
-    if fused:
+    flash = not q.is_cuda and q.dtype in (torch.float32, torch.float64) and not window
+    if flash and bias is None and q.shape[-2] == k.shape[-2]:
         return _SinkFlash.apply(q, k, v, sinks)
+    if flash and bias is not None and bias.module.separable:  # ALiBi, FoX: the fused key-bias kernel
+        from .attention import _KeyBiasAttention
+
+        values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
+        return _KeyBiasAttention.apply(q, k, v, values, sinks)
     return _chunked_sinks(q, k, v, sinks, bias, window)
 
 
@@ -59,7 +67,9 @@ class _SinkFlash(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, sinks, out, total = ctx.saved_tensors
         dq, dk, dv = _FLASH_BACKWARD(grad, q, k, v, out, total, 0.0, True)
-        return dq, dk, dv, sink_gradient(grad, out, total, sinks) if ctx.needs_input_grad[3] else None
+        if not ctx.needs_input_grad[3]:
+            return dq, dk, dv, None
+        return dq, dk, dv, sink_gradient(grad, out, sink_mass(total, sinks)).to(sinks.dtype)
 
 
 def _chunked_sinks(q, k, v, sinks, bias: LayerBias | None, window: int) -> torch.Tensor:

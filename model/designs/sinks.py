@@ -12,7 +12,7 @@ Two ways to compute it, both here because the exported remote-code model runs th
 - `with_sinks`: from a kernel's output and log-sum-exp over the keys (out, lse), the sinked ones,
   out * exp(lse - lse') and lse' = logaddexp(lse, a_h); a flash kernel's backward given these two
   is the sinked attention's backward for q, k, v (it reads only P = exp(S - lse') and
-  rowsum(dO * out)), and a_h's gradient is `sink_gradient`.
+  rowsum(dO * out)), and a_h's gradient is `sink_gradient` of the rows' `sink_mass`.
 - `sink_attention_rows`: a block of query rows with explicit scores and the sink as one more
   column (any mask, bias or device; memory [B, H, rows, keys]).
 """
@@ -24,19 +24,26 @@ import torch
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, T, D], lse [B, H, T]) of softmax attention over the keys -> the same with the sink
-    a_h [H] in the denominator: (out * exp(lse - lse'), lse'), out scaled in place (a kernel's own
-    output: no second copy)."""
-    total = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+    in the denominator: (out * exp(lse - lse'), lse'), out scaled in place (a kernel's own output:
+    no second copy). sinks: a_h [H], or per row [.., H, T] in the kernel's units where its scores
+    are shifted by a per-row constant (the fused key-bias kernel's)."""
+    sinks = sinks[:, None] if sinks.dim() == 1 else sinks
+    total = torch.logaddexp(lse, sinks.to(lse.dtype))
     return out.mul_((lse - total).exp().to(out.dtype)[..., None]), total
 
 
-def sink_gradient(grad: torch.Tensor, out: torch.Tensor, total: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """d loss / d a_h [H]: the sink's probability exp(a_h - lse') times its value's (zero) minus the
-    row's expected value under dO, summed over batch and rows: -sum exp(a_h - lse') (dO . out)."""
-    mass = (sinks.to(total.dtype)[:, None] - total).exp()
+def sink_mass(total: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Each row's probability on the sink, exp(a_h - lse') [B, H, T] (sinks as `with_sinks` takes them)."""
+    sinks = sinks[:, None] if sinks.dim() == 1 else sinks
+    return (sinks.to(total.dtype) - total).exp()
+
+
+def sink_gradient(grad: torch.Tensor, out: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """d loss / d a_h [H]: the sink's probability times its value's (zero) minus the row's expected
+    value under dO, summed over batch and rows: -sum_m mass_m (dO_m . out_m)."""
     T = out.shape[-2]  # dO . out per row, in blocks of rows: no [B, H, T, D] temporary
     rows = torch.cat([(grad[..., a : a + 256, :] * out[..., a : a + 256, :]).sum(-1) for a in range(0, T, 256)], -1)
-    return -(mass * rows.to(total.dtype)).sum(dim=(0, 2)).to(sinks.dtype)
+    return -(mass * rows.to(mass.dtype)).sum(dim=(0, 2))
 
 
 def sink_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,

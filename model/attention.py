@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 from .designs import RopeTables
 from .designs.base import ScoreBias
-from .designs.sinks import sink_gradient, sink_mass, with_sinks
+from .designs.sinks import sink_gradient, sink_mass, sink_row_gradient, with_sinks
 from .designs.ssmax import ssmax_init, ssmax_scale
 from .documents import Documents, causal_segments, segment_attention
 from .sequence_parallel import SequenceParallel
@@ -171,7 +171,7 @@ def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
             values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
             return _KeyBiasAttention.apply(q, k, v, values)
         if bias.terms is None:
-            return _AdditiveBiasAttention.apply(q, k, v, bias, *bias.module.tensors(bias.heads, q.device))
+            return _AdditiveBiasAttention.apply(q, k, v, bias, None, *bias.module.tensors(bias.heads, q.device))
     return _chunked_bias(q, k, v, bias)
 
 
@@ -301,14 +301,18 @@ class _KeyBiasAttention(torch.autograd.Function):
         for rows, _, centre, parts in _chunks(tq, offset):  # each chunk's own square block
             part = parts[0][0]
             call(rows, part, centre, True, _extended(k[..., part, :], H), _extended(v[..., part, :], H))
-        grad_values = None
+        grad_values = row_sink = None
+        if sinks is not None:  # each row's sink logit in the kernel's units, a_h + c_h(m) - c_h(centre)
+            row_sink = sink_row_gradient(grad, out[..., :D], mass)
         if column is not None:  # the column is c_h(n) / scale
             grad_values = column.to(torch.float64) / scale
+            if row_sink is not None:  # c_h(m) in its row's sink (the centre cancels, as without a sink)
+                grad_values[..., offset:] += row_sink.to(torch.float64)
             if values.shape[0] != B:
                 grad_values = grad_values.sum(0, keepdim=True)
         if sinks is None:
             return grad_q, grad_k, grad_v, grad_values
-        grad_sinks = sink_gradient(grad, out[..., :D], mass).to(sinks.dtype) if ctx.needs_input_grad[4] else None
+        grad_sinks = row_sink.sum(dim=(0, 2)).to(sinks.dtype) if ctx.needs_input_grad[4] else None
         return grad_q, grad_k, grad_v, grad_values, grad_sinks
 
 
@@ -329,7 +333,7 @@ class _AdditiveBiasAttention(torch.autograd.Function):
     dS = P (dO v^T - rowsum(dO O))."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias,
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias, sinks: torch.Tensor | None,
                 *tensors: torch.Tensor) -> torch.Tensor:
         B, H, tq, D = q.shape
         offset = k.shape[-2] - tq
@@ -349,17 +353,21 @@ class _AdditiveBiasAttention(torch.autograd.Function):
                                      scale=D**-0.5)
                 merged, total = _merge(merged, total, o, lse_tile)
             out[..., rows, :], lse[..., rows] = merged, total
-        ctx.save_for_backward(out, lse, *given)
+        mass = None
+        if sinks is not None:  # attention sinks (`model.sink_attention`): a_h in every row's denominator
+            out, lse = with_sinks(out, lse, sinks)
+            mass = sink_mass(lse, sinks)
+        ctx.save_for_backward(out, lse, sinks, mass, *given)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out, lse, q, k, v, *tensors = ctx.saved_tensors
+        out, lse, sinks, mass, q, k, v, *tensors = ctx.saved_tensors
         kv_heads, module, heads, start = k.shape[1], ctx.bias.module, ctx.bias.heads, ctx.bias.start
         B, H, tq, D = q.shape
         offset, scale = k.shape[-2] - tq, D**-0.5
         k, v = _per_query_head(k, H), _per_query_head(v, H)
-        wanted = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[4:])]
+        wanted = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[5:])]
         needed = [t for t in wanted if t.requires_grad]
         with torch.enable_grad():
             prepared = module.prepared(wanted)
@@ -399,7 +407,10 @@ class _AdditiveBiasAttention(torch.autograd.Function):
             grad_q[..., rows, :] = grad_q_c.view(B, H, n, D).mul_(scale)
         grads = iter(torch.autograd.grad(inner, needed, grad_inner, materialize_grads=True) if inner else ())
         grad_k, grad_v = (g.view(B, H, -1, D) for g in (grad_k, grad_v))
-        return (grad_q, _grouped(grad_k, kv_heads), _grouped(grad_v, kv_heads), None,
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            grad_sinks = sink_gradient(grad, out, mass).to(sinks.dtype)
+        return (grad_q, _grouped(grad_k, kv_heads), _grouped(grad_v, kv_heads), None, grad_sinks,
                 *(next(grads) if t.requires_grad else None for t in wanted))
 
 

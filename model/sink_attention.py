@@ -5,11 +5,10 @@ when `model.sinks` is on.
   evaluation of the q/k designs): the fused flash kernel (`_SinkFlash`), whose output and
   log-sum-exp take the sink afterwards (`with_sinks`); its backward given those is the sinked
   attention's, plus the sink's own gradient. Memory and time are the fused kernel's.
-- CPU, fp32 / fp64, a separable score bias (ALiBi, FoX), no window: the fused key-bias kernel
-  (`model.attention._KeyBiasAttention`), which applies the sink to its output and log-sum-exp the
-  same way.
-- Anything else (KERPLE's and FIRE's biases, a window, a KV-cache step without a bias, GPU,
-  bf16): explicit scores with the sink
+- CPU, fp32 / fp64, a score bias, no window: the bias's own kernel (`model.attention`: the fused
+  key-bias kernel for ALiBi and FoX, the tiled additive one for KERPLE and FIRE), which applies
+  the sink to its output and log-sum-exp the same way.
+- Anything else (a window, a KV-cache step without a bias, GPU, bf16): explicit scores with the sink
   as one more column over chunks of query rows (`sink_attention_rows`), each chunk recomputed in
   backward (memory O(rows x keys)); under document masking per document (`segments`).
 """
@@ -49,6 +48,10 @@ def sink_attention(q, k, v, sinks: torch.Tensor, bias: LayerBias | None = None,
 
         values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
         return _KeyBiasAttention.apply(q, k, v, values, sinks)
+    if flash and bias is not None and bias.terms is None:  # KERPLE, FIRE: the tiled additive-bias kernel
+        from .attention import _AdditiveBiasAttention
+
+        return _AdditiveBiasAttention.apply(q, k, v, bias, sinks, *bias.module.tensors(bias.heads, q.device))
     return _chunked_sinks(q, k, v, sinks, bias, window)
 
 

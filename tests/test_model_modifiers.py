@@ -1,9 +1,10 @@
 """The softmax modifiers any design takes: attention sinks (`model.sinks`) and scalable softmax
 (`model.ssmax`), each against a float64 reference written from its definition (not from
-`model.designs`): the layer's output and the gradients of its input and every weight, on a RoPE,
-a score-bias and a windowed design, with grouped-query attention and document masking; then the
-sink's probability mass and SSMax's scale against their formulas, the KV cache, activation
-checkpointing and conversion from Origin."""
+`model.designs`): the layer's output and the gradients of its input and every weight, on a RoPE
+design, a score-bias design of each kernel (ALiBi, KERPLE, FoX: FoX's gates get a gradient
+through each row's sink too) and a windowed one, with grouped-query attention and document
+masking; then the sink's probability mass and SSMax's scale against their formulas, the KV
+cache, activation checkpointing and conversion from Origin."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ ARCHS = {  # neox rotates half of each head (rotary_pct 0.5); llama: 4 query hea
 DESIGNS = {  # (attention, design_params, layer index): the hybrid's layer 0 of 2 is windowed RoPE
     "origin": ("origin", {}, 0),
     "alibi": ("alibi", {}, 0),
+    "kerple": ("kerple", {}, 0),
+    "fox": ("fox", {}, 0),
     "hybrid-window": ("hybrid", {"hybrid": {"nope_every": 2, "window": W}}, 0),
 }
 MODIFIERS = {"sinks": dict(sinks=True), "ssmax": dict(ssmax=True), "both": dict(sinks=True, ssmax=True)}
@@ -72,7 +75,7 @@ def reference_output(layer: CausalSelfAttention, x: torch.Tensor, pos: torch.Ten
         q, k, v = (p(x).view(B, T, -1, D).transpose(1, 2) for p in (layer.q, layer.k, layer.v))
         group = H // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if attention != "alibi":
+    if attention in ("origin", "hybrid"):
         r = int(D * (0.5 if layer.fused else 1.0))
         q, k = rotate(q, pos[:, None], r), rotate(k, pos[:, None], r)
     m, n = torch.arange(T)[:, None], torch.arange(T)[None, :]
@@ -83,8 +86,16 @@ def reference_output(layer: CausalSelfAttention, x: torch.Tensor, pos: torch.Ten
     if layer.ssmax is not None:
         count = allowed.sum(-1, keepdim=True).to(F64)  # [B, 1, T, 1]
         scores = scores * layer.ssmax[:, None, None] * torch.log(count)
+    distance = (m - n).clamp(min=0).to(F64)
     if attention == "alibi":
-        scores = scores - alibi_slopes(H)[:, None, None] * (m - n)
+        scores = scores - alibi_slopes(H)[:, None, None] * distance
+    if attention == "kerple":  # -r1_h log(1 + r2_h (m - n))
+        r1, r2 = layer.score_bias.r1[:, None, None], layer.score_bias.r2[:, None, None]
+        scores = scores - r1 * torch.log1p(r2 * distance)
+    if attention == "fox":  # sum_{l = n+1..m} log sigmoid(w_h . x_l + b_h) = F_m - F_n
+        gate = layer.score_bias.gate
+        f = torch.nn.functional.logsigmoid(x @ gate.weight.T + gate.bias).transpose(1, 2).cumsum(-1)  # [B, H, T]
+        scores = scores + f[..., :, None] - f[..., None, :]
     e = torch.where(allowed, torch.exp(scores), torch.zeros((), dtype=F64))
     denominator = e.sum(-1, keepdim=True)
     if layer.sinks is not None:
@@ -120,6 +131,10 @@ def test_layer_output_and_gradients_match_the_definition(modifiers, design, arch
     layer = CausalSelfAttention(cfg, index).double()
     for w in layer.parameters():
         torch.nn.init.normal_(w, std=0.4)
+    if attention == "kerple":  # in the range where its clamp at 0.01 does not act
+        with torch.no_grad():
+            layer.score_bias.r1.uniform_(0.2, 2.0)
+            layer.score_bias.r2.uniform_(0.2, 1.0)
     B, T = 2, 40
     x = torch.randn(B, T, cfg.n_embd, dtype=F64, requires_grad=True)
     docs = (torch.tensor([[0] * 13 + [1] * 20 + [2, 3, 4] + [5] * 4, [0] * 40]) if documents

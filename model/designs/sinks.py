@@ -38,12 +38,18 @@ def sink_mass(total: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     return (sinks.to(total.dtype) - total).exp()
 
 
-def sink_gradient(grad: torch.Tensor, out: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-    """d loss / d a_h [H]: the sink's probability times its value's (zero) minus the row's expected
-    value under dO, summed over batch and rows: -sum_m mass_m (dO_m . out_m)."""
+def sink_row_gradient(grad: torch.Tensor, out: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """d loss / d (row m's sink logit) [B, H, T]: the sink's probability times its value's (zero)
+    minus the row's expected value under dO, -mass_m (dO_m . out_m). Summed over batch and rows it
+    is a_h's gradient; a kernel whose sink is a_h plus a per-row term passes it on to that term."""
     T = out.shape[-2]  # dO . out per row, in blocks of rows: no [B, H, T, D] temporary
     rows = torch.cat([(grad[..., a : a + 256, :] * out[..., a : a + 256, :]).sum(-1) for a in range(0, T, 256)], -1)
-    return -(mass * rows.to(mass.dtype)).sum(dim=(0, 2))
+    return -mass * rows.to(mass.dtype)
+
+
+def sink_gradient(grad: torch.Tensor, out: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """d loss / d a_h [H]: `sink_row_gradient` summed over batch and rows."""
+    return sink_row_gradient(grad, out, mass).sum(dim=(0, 2))
 
 
 def sink_attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,

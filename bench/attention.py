@@ -7,7 +7,8 @@
 Each case is one attention layer (`model.attention.CausalSelfAttention`: fused qkv projection, the
 design's q/k transform, the shared kernel, output projection) on random x [B, N, H * D]. Variants:
 every design of the registry by its label (origin, alibi, coca-slack, coca-strict, ...: the model's
-code) and `coca-released`, the released CoCA code's formulation written out here as a baseline on
+code), each with a softmax modifier, `<label>+sinks` and `<label>+ssmax` (not run by default), and
+`coca-released`, the released CoCA code's formulation written out here as a baseline on
 the same projections: it materialises the
 N x N score matrix (`contract('bpnd,bpsd,bpnd->bpns', q, rope(t), rope(q))`, a boolean causal-mask
 buffer, softmax).
@@ -43,7 +44,9 @@ from model.designs.coca import COCA_SLACK, coca_tie
 # 8K peak varied from 220 to 330 MiB between runs; fixed: 179-180).
 WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 RELEASED = "coca-released"  # the released CoCA code's formulation (below), on CoCA slack's layer
+MODIFIERS = ("sinks", "ssmax")  # `model.sinks`, `model.ssmax`: a variant `<label>+<modifier>`
 VARIANTS = (*BY_LABEL, RELEASED)
+MODIFIED = tuple(f"{label}+{modifier}" for label in BY_LABEL for modifier in MODIFIERS)
 
 
 def released_coca(q, t, v, rope: RopeTables) -> torch.Tensor:
@@ -65,11 +68,17 @@ def released_layer(layer: CausalSelfAttention, x: torch.Tensor, rope: RopeTables
 
 
 def design(variant: str) -> Design:
-    return COCA_SLACK if variant == RELEASED else BY_LABEL[variant]
+    return COCA_SLACK if variant == RELEASED else BY_LABEL[variant.split("+")[0]]
+
+
+def modifiers(variant: str) -> dict[str, bool]:
+    """The softmax modifiers a variant switches on: {"sinks": True} for `origin+sinks`."""
+    return dict.fromkeys(variant.split("+")[1:], True)
 
 
 def build_layer(variant: str, args) -> CausalSelfAttention:
-    cfg = ModelConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, **design(variant).settings())
+    cfg = ModelConfig(n_head=args.heads, n_embd=args.heads * args.head_dim, **design(variant).settings(),
+                      **modifiers(variant))
     return CausalSelfAttention(cfg).to(args.device, getattr(torch, args.dtype))
 
 
@@ -94,12 +103,14 @@ def make_step(variant: str, n: int, args):
     grad_out = torch.randn(shape, device=device, dtype=dtype)
     rope = None
     if design(variant).rope:
-        rope = Rope(args.head_dim, 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
+        width = design(variant).rope_width(args.head_dim) if design(variant).rope_width else args.head_dim
+        rope = Rope(width, 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
     inputs = [x, *layer.parameters()] if train else []
+    counts = torch.arange(1, n + 1, device=device)  # SSMax's n per query
 
     def step() -> None:
         with torch.set_grad_enabled(train):
-            out = released_layer(layer, x, rope) if variant == RELEASED else layer(x, rope)
+            out = released_layer(layer, x, rope) if variant == RELEASED else layer(x, rope, key_counts=counts)
             if train:
                 torch.autograd.grad(out, inputs, grad_out)
         if device.type == "cuda":
@@ -206,7 +217,7 @@ def table(results: dict, lengths: list[int], variants: list[str]) -> str:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + MODIFIED)
     p.add_argument("--mode", choices=("train", "eval"), default="train", help="train: forward + backward")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=1)

@@ -83,7 +83,7 @@ def make_step(attention: str, masked: bool, n: int, args, documents: torch.Tenso
     grad_out = torch.randn(shape, device=device, dtype=dtype)
     rope = None
     if design.rope:
-        rope = Rope(args.head_dim, 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
+        rope = Rope(cfg.rope_width(), 10000.0, 512, RopeScaling()).tables(torch.arange(n, device=device), n, dtype)
     docs = Documents(documents.to(device)) if masked else None
     inputs = [x, *layer.parameters()]
 

@@ -230,11 +230,12 @@ class Case:
     documents: bool
     dtype: str
     mode: str
+    modifiers: bool = False  # the softmax modifiers on (model.sinks and model.ssmax)
 
     def run(self) -> CudaOpCheck:
         """The case on the forced GPU path, under a `CudaOpCheck`."""
         torch.manual_seed(0)
-        model = GPT(config(self.design, self.documents))
+        model = GPT(config(self.design, self.documents, sinks=self.modifiers, ssmax=self.modifiers))
         idx = torch.randint(0, VOCAB, (2, T))
         documents = DOCUMENTS if self.documents else None
         checked = CudaOpCheck()

@@ -13,7 +13,8 @@ are computed for a chunk of queries at a time (memory chunk x T per head), and s
   query, over the keys it may see); `outlier_count` and `outlier_ratio` (of all valid scores);
   `max_zscore` is the largest (s - row mean) / row std seen;
 - `local_mass`: softmax probability on the nearest `window` keys (m - window < n <= m), averaged
-  over heads and queries.
+  over heads and queries; with attention sinks (`model.sinks`) the sink's logit is in each
+  softmax's denominator, so the mass on keys may be below 1.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class AttentionInputs(Protocol):
     k_eff: torch.Tensor  # [B, H, T, D]
     bias: ScoreBias | None  # the design's score bias (`model.attention.LayerBias`), or None
     window: int  # a sliding window's keys: only m - n < window are scores (0: every n <= m)
+    sinks: torch.Tensor | None  # attention sinks' logits a_h [H], in each softmax's denominator, or None
 
 
 def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +74,11 @@ def layer_statistics(layer: AttentionInputs, sigma: float = 6.0, window: int = 1
         outliers += int((valid & (s > row_mean + sigma * row_std)).sum())
         z = torch.where(valid & (row_std > 0), (s - row_mean) / row_std.clamp_min(1e-300), 0.0)
         max_z = max(max_z, z.max().item())
-        probs = torch.softmax(s.masked_fill(~valid, -math.inf), dim=-1)
+        logits = s.masked_fill(~valid, -math.inf)
+        if layer.sinks is not None:  # the sink's logit in each row's denominator, its column dropped after
+            sink = layer.sinks.to(s)[:, None, None].expand(*s.shape[:-1], 1)
+            logits = torch.cat((logits, sink), dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., : s.shape[-1]]
         m = torch.arange(start, end, device=s.device)[:, None]
         n = torch.arange(end, device=s.device)[None, :]
         near = (n <= m) & (n > m - window)

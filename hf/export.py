@@ -66,7 +66,11 @@ def rope_parameters(m: ModelConfig) -> dict:
     if m.arch == "neox":
         params["partial_rotary_factor"] = float(m.rotary_pct)
     if s.type == "ntk":
-        rope = designs.Rope(m.rotary_dims, m.rope_base, m.max_seq_len, s)
+        if any(m.layer_design(i).rope_base for i in range(m.n_layer)):
+            raise ExportError("rope_scaling ntk on a model whose layers have RoPE bases of their own: the export "
+                              "writes a static NTK base as rope_theta, which only the model's base can carry; "
+                              "export it unscaled or with another scaling (dynamic, yarn, linear, llama3)")
+        rope = designs.Rope(m.rope_width(), m.rope_base, m.max_seq_len, s)
         params["rope_theta"] = rope.base_at(m.max_seq_len)
     elif s.type in ("linear", "dynamic"):
         params.update(rope_type=s.type, factor=float(s.factor))
@@ -129,8 +133,9 @@ def hf_config(m: ModelConfig, tokenizer: Tokenizer | HFTokenizer) -> dict:
 
 def native(m: ModelConfig) -> bool:
     """Whether the model exports as its architecture's own HF class (Origin without the length
-    temperature, which transformers' classes cannot express), else as the remote-code model."""
-    return m.design.native_hf and not m.length_temperature
+    temperature, sinks or SSMax, which transformers' classes cannot express), else as the
+    remote-code model."""
+    return m.design.native_hf and not (m.length_temperature or m.sinks or m.ssmax)
 
 
 def _block(m: ModelConfig) -> dict:
@@ -139,13 +144,15 @@ def _block(m: ModelConfig) -> dict:
 
 def _remote_config(m: ModelConfig, config: dict) -> dict:
     """The `coca_lm` config: the design (attention, its parameters: CoCA's form among them), the length
-    temperature's L0 (0: off) and the `auto_map` naming the remote code."""
+    temperature's L0 (0: off), the softmax modifiers (sinks, ssmax) and the `auto_map` naming the
+    remote code."""
     if not m.design.rope:
         del config["rope_parameters"]
     params = {} if m.params is None else dataclasses.asdict(m.params)
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
             "attention": m.attention, "design_params": params,
-            "length_temperature": m.max_seq_len if m.length_temperature else 0, **config, **_block(m),
+            "length_temperature": m.max_seq_len if m.length_temperature else 0, "sinks": m.sinks, "ssmax": m.ssmax,
+            **config, **_block(m),
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
 

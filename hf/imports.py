@@ -193,7 +193,8 @@ def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
         params = {**({"form": config["coca_form"]} if "coca_form" in config else {}),
                   **(config.get("design_params") or {})}
         design = dict(design_params={attention: params} if params else {},
-                      length_temperature=bool(config.get("length_temperature")))
+                      length_temperature=bool(config.get("length_temperature")), sinks=bool(config.get("sinks")),
+                      ssmax=bool(config.get("ssmax")))
     activation = config.get("hidden_act", defaults["hidden_act"])
     if activation != _ACTIVATION[arch]:
         raise _refuse(where, "hidden_act", activation, f"this {arch} model uses {_ACTIVATION[arch]} "

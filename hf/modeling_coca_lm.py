@@ -48,6 +48,8 @@ except ImportError:  # transformers < 5
 from .base import ScoreBias
 from .registry import design_of
 from .rope import Rope
+from .sinks import sink_attention_rows
+from .ssmax import key_counts, ssmax_init, ssmax_scale
 from .temperature import length_temperature
 
 BIAS_CHUNK = 256  # query rows per chunk of a score bias [H, rows, keys]
@@ -63,7 +65,9 @@ class CocaLMConfig(PreTrainedConfig):
     norm's eps. attention: the design (coca-lm's `model.attention`: alibi, coca, ...); design_params:
     the design's parameters (coca-lm's `model.design_params.<attention>`: CoCA's form among them);
     length_temperature: the training length L0 of the length temperature, 0 when off (query i's
-    scores times max(1, log(i + 1) / log(L0))). max_position_embeddings is the training length L0,
+    scores times max(1, log(i + 1) / log(L0))); sinks: a learned logit per head in each softmax's
+    denominator (`sinks.py`); ssmax: query i's scores times s_h log(i + 1) (`ssmax.py`; capped at a
+    window). max_position_embeddings is the training length L0,
     which dynamic NTK scales from. rope_parameters (designs with RoPE only): rope_type
     default | linear | dynamic | yarn | llama3, rope_theta, partial_rotary_factor, factor, for yarn
     beta_fast and beta_slow, for llama3 low_freq_factor and high_freq_factor, and for both
@@ -90,10 +94,12 @@ class CocaLMConfig(PreTrainedConfig):
         use_cache: bool = True,
         design_params: dict | None = None,
         length_temperature: int = 0,
+        sinks: bool = False,
+        ssmax: bool = False,
         **kwargs,
     ):
         design = design_of(attention, {attention: design_params or {}})
-        if design.native_hf and not length_temperature:
+        if design.native_hf and not (length_temperature or sinks or ssmax):
             raise ValueError(f"attention={attention!r} exports as its architecture's own class, not coca_lm")
         if design_params and design.params is None:
             raise ValueError(f"design_params={design_params}: attention={attention!r} has no parameters")
@@ -116,6 +122,7 @@ class CocaLMConfig(PreTrainedConfig):
         if design.params is not None:
             design.params(**self.design_params)  # checks the values, naming the field
         self.length_temperature = length_temperature
+        self.sinks, self.ssmax = sinks, ssmax
         self.use_cache = use_cache
         self.rope_parameters = dict(rope_parameters or UNSCALED)
         check_rope_parameters(self)
@@ -159,10 +166,11 @@ class RopeScaling:
     high_freq_factor: float
 
 
-def rope_from_config(config: CocaLMConfig) -> Rope:
+def rope_from_config(config: CocaLMConfig, base: float | None = None) -> Rope:
     """RoPE under `config.rope_parameters` (rope_type default is our none; a static NTK base is
     exported as default with the scaled `rope_theta`), scaled from `original_max_position_embeddings`
-    (yarn, llama3) or else `max_position_embeddings`, as transformers' own models do."""
+    (yarn, llama3) or else `max_position_embeddings`, as transformers' own models do; at `base`
+    instead of `rope_theta` where given (a layer's own: the hybrid's global RoPE layers)."""
     p = config.rope_parameters
     kind = p.get("rope_type", "default")
     if kind not in ("default", "linear", "dynamic", "yarn", "llama3"):
@@ -174,7 +182,8 @@ def rope_from_config(config: CocaLMConfig) -> Rope:
     rotary_dims = int(head_dim * p.get("partial_rotary_factor", 1.0))
     design = _design(config)
     pairs = None if design.rotating_pairs is None else design.rotating_pairs(design_params(config), rotary_dims // 2)
-    return Rope(rotary_dims, float(p.get("rope_theta", 10000.0)),
+    width = rotary_dims if design.rope_width is None else design.rope_width(rotary_dims)
+    return Rope(width, float(base or p.get("rope_theta", 10000.0)),
                 p.get("original_max_position_embeddings") or config.max_position_embeddings, scaling, pairs)
 
 
@@ -243,6 +252,32 @@ def bias_sdpa(q, k, v, key_mask: torch.Tensor | None, bias: ScoreBias, terms: to
     return torch.cat(out, dim=-2)
 
 
+def sink_sdpa(q, k, v, key_mask: torch.Tensor | None, bias: ScoreBias | None, terms: torch.Tensor | None,
+              sinks: torch.Tensor, window: int) -> torch.Tensor:
+    """Attention with the sink logits a_h in each softmax's denominator (`sinks.sink_attention_rows`)
+    over chunks of query rows, with the causal, window and key masks and a design's bias."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    offset = tk - tq
+    prefix = None if terms is None else terms.to(torch.float64).cumsum(dim=-1)
+    out = []
+    for start in range(0, tq, BIAS_CHUNK):
+        end = min(tq, start + BIAS_CHUNK)
+        m = torch.arange(offset + start, offset + end, device=q.device)[:, None]
+        n = torch.arange(offset + end, device=q.device)[None, :]
+        allowed = (n <= m) & (m - n < window) if window else n <= m
+        if key_mask is not None:
+            allowed = _with_keys(allowed, key_mask[:, : offset + end], offset + start)
+        scores = None
+        if bias is not None:
+            gap = None
+            if prefix is not None:
+                gap = prefix[..., offset + start : offset + end, None] - prefix[..., None, : offset + end]
+            scores = bias.rows(slice(None), m, torch.minimum(n, m), gap)
+        out.append(sink_attention_rows(q[..., start:end, :], k[..., : offset + end, :], v[..., : offset + end, :],
+                                       sinks, allowed, scores))
+    return torch.cat(out, dim=-2)
+
+
 class CocaLMAttention(nn.Module):
     """The projections of GPT-NeoX (`query_key_value`, fused per head, and `dense`, with biases) or
     of Llama (`q_proj`; `k_proj`, CoCA's T, and `v_proj` of num_key_value_heads heads; `o_proj`;
@@ -268,6 +303,12 @@ class CocaLMAttention(nn.Module):
             self.o_proj = nn.Linear(width, width, bias=False)
         bias = self.design.bias
         self.score_bias = bias(config.num_attention_heads, config.hidden_size) if bias else None
+        heads = config.num_attention_heads
+        transform, params = self.design.transform, design_params(config)
+        self.qk_transform = transform(params, heads, rope_from_config(config).rotary_dims) if transform else None
+        self.sinks = nn.Parameter(torch.zeros(heads)) if config.sinks else None
+        init = ssmax_init(config.max_position_embeddings) if config.ssmax else 0.0
+        self.ssmax = nn.Parameter(torch.full((heads,), init)) if config.ssmax else None
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D]; k (CoCA's t) and v [B, num_key_value_heads, T, D]."""
@@ -278,20 +319,26 @@ class CocaLMAttention(nn.Module):
                      for proj in (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x, rope, cache: Cache | None, key_mask: torch.Tensor | None,
-                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+                q_scale: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        q, k = self.design.qk(q, k, rope)
+        q, k = (self.design.qk if self.qk_transform is None else self.qk_transform)(q, k, rope)
         if q_scale is not None:
             q = q * q_scale
+        if self.ssmax is not None:
+            q = q * ssmax_scale(self.ssmax, counts, self.design.window).to(q.dtype)
         bias = self.score_bias
         terms = bias.terms(x) if bias is not None and bias.gated else None
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
             if terms is not None:
                 terms = _cached_terms(cache, self.layer_idx, terms)
-        y = (causal_sdpa(q, k, v, key_mask, self.design.window) if bias is None
-             else bias_sdpa(q, k, v, key_mask, bias, terms))
+        if self.sinks is not None:
+            y = sink_sdpa(q, k, v, key_mask, bias, terms, self.sinks, self.design.window)
+        elif bias is None:
+            y = causal_sdpa(q, k, v, key_mask, self.design.window)
+        else:
+            y = bias_sdpa(q, k, v, key_mask, bias, terms)
         out = self.dense if self.fused else self.o_proj
         return out(y.transpose(1, 2).reshape(B, T, C))
 
@@ -360,14 +407,15 @@ class CocaLMLayer(nn.Module):
             self.attention = CocaLMAttention(config, layer_idx)
             self.mlp = CocaLMMLP(config)
 
-    def attend(self, x, rope, cache, key_mask, q_scale) -> torch.Tensor:
+    def attend(self, x, rope, cache, key_mask, q_scale, counts) -> torch.Tensor:
         attention = self.self_attn if self.llama else self.attention
-        return attention(self.input_layernorm(x), rope, cache, key_mask, q_scale)
+        return attention(self.input_layernorm(x), rope, cache, key_mask, q_scale, counts)
 
-    def forward(self, x, rope, cache, key_mask, q_scale=None):
+    def forward(self, x, rope, cache, key_mask, q_scale=None, counts=None):
         if self.parallel:
-            return x + self.attend(x, rope, cache, key_mask, q_scale) + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.attend(x, rope, cache, key_mask, q_scale)
+            return (x + self.attend(x, rope, cache, key_mask, q_scale, counts)
+                    + self.mlp(self.post_attention_layernorm(x)))
+        x = x + self.attend(x, rope, cache, key_mask, q_scale, counts)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -407,6 +455,10 @@ class CocaLMModel(CocaLMPreTrainedModel):
             self.embed_in, self.final_layer_norm = embedding, norm_layer(config)
         check_rope_parameters(config)
         self.rope = rope_from_config(config) if _design(config).rope else None
+        bases = [layer.self_attn.design.rope_base if layer.llama else layer.attention.design.rope_base
+                 for layer in self.layers]  # a layer's own RoPE base (the hybrid's global RoPE layers)
+        self.layer_ropes = [self.rope if self.rope is None or base is None else rope_from_config(config, base)
+                            for base in bases]
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -431,14 +483,15 @@ class CocaLMModel(CocaLMPreTrainedModel):
         if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             key_mask = attention_mask[:, -(past + T):].bool()
         positions = position_ids if position_ids is not None else torch.arange(past, past + T, device=x.device)
+        counts = key_counts(positions)  # SSMax's n: the keys each query attends to, padding included
         if positions.dim() == 2:  # [B, T] -> [B, 1, T]: tables and scales broadcast over heads
             positions = positions[:, None, :]
-        rope = self.rope.tables(positions, past + T, x.dtype) if self.rope is not None else None
+        tables = {id(r): r.tables(positions, past + T, x.dtype) for r in self.layer_ropes if r is not None}
         q_scale = None
         if self.config.length_temperature:
             q_scale = length_temperature(positions, self.config.length_temperature).to(x.dtype)[..., None]
-        for layer in self.layers:
-            x = layer(x, rope, cache, key_mask, q_scale)
+        for layer, rope in zip(self.layers, self.layer_ropes):
+            x = layer(x, None if rope is None else tables[id(rope)], cache, key_mask, q_scale, counts)
         return self.final_norm(x)
 
 

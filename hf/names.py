@@ -27,6 +27,18 @@ def _score_bias(cfg: ModelConfig, attention: str) -> dict[str, str]:
     return {f"attn.score_bias.{name}": f"{attention}.score_bias.{name}" for name, _ in module.named_parameters()}
 
 
+def _modifiers(cfg: ModelConfig, attention: str) -> dict[str, str]:
+    """The softmax modifiers' per-head parameters (`attn.sinks`, `attn.ssmax`; gpt-oss's name for
+    the sinks) and a design's q/k transform module's (`attn.qk_transform.*`: PoPE's phase bias),
+    under the same names inside the HF layer's attention."""
+    names = {f"attn.{name}": f"{attention}.{name}" for name in ("sinks", "ssmax") if getattr(cfg, name)}
+    transform = cfg.design.transform and cfg.design.transform(cfg.params, cfg.n_head, cfg.rope_width())
+    if transform is not None:
+        names.update({f"attn.qk_transform.{name}": f"{attention}.qk_transform.{name}"
+                      for name, _ in transform.named_parameters()})
+    return names
+
+
 def hf_names(cfg: ModelConfig) -> dict[str, str]:
     """Our state-dict name -> GPT-NeoX's, for every parameter of a model of `cfg` (the LM head
     only when untied: tied, it is the embedding). Invert it to read a GPT-NeoX state dict."""
@@ -38,7 +50,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
         for ours, theirs in _LAYER.items():
             for p in ("weight", "bias"):
                 names[f"h.{i}.{ours}.{p}"] = f"gpt_neox.layers.{i}.{theirs}.{p}"
-        for ours, theirs in _score_bias(cfg, "attention").items():
+        for ours, theirs in {**_score_bias(cfg, "attention"), **_modifiers(cfg, "attention")}.items():
             names[f"h.{i}.{ours}"] = f"gpt_neox.layers.{i}.{theirs}"
     return names
 
@@ -66,7 +78,7 @@ def llama_hf_names(cfg: ModelConfig) -> dict[str, str]:
     for i in range(cfg.n_layer):
         for ours, theirs in _LLAMA_LAYER.items():
             names[f"h.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
-        for ours, theirs in _score_bias(cfg, "self_attn").items():
+        for ours, theirs in {**_score_bias(cfg, "self_attn"), **_modifiers(cfg, "self_attn")}.items():
             names[f"h.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return names
 

@@ -42,8 +42,11 @@ from torch.utils.checkpoint import checkpoint
 from .config import ModelConfig
 from .designs import RopeTables
 from .designs.base import ScoreBias
+from .designs.sinks import sink_gradient, sink_mass, sink_row_gradient, with_sinks
+from .designs.ssmax import ssmax_init, ssmax_scale
 from .documents import Documents, causal_segments, segment_attention
 from .sequence_parallel import SequenceParallel
+from .sink_attention import sink_attention
 
 # Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
 # path's float32 error is proportional to it (`_KeyBiasAttention`).
@@ -115,6 +118,7 @@ class AttentionInputs(NamedTuple):
     k_eff: torch.Tensor  # [B, H, T, D] (under GQA each kv head repeated for the query heads it serves)
     bias: LayerBias | None  # the score bias (`LayerBias.scores`), for a design with one
     window: int = 0  # a sliding window's keys (0: every earlier key)
+    sinks: torch.Tensor | None = None  # the sink logits a_h [H] in each softmax's denominator (`model.sinks`)
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -185,7 +189,7 @@ def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
             values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
             return _KeyBiasAttention.apply(q, k, v, values)
         if bias.terms is None:
-            return _AdditiveBiasAttention.apply(q, k, v, bias, *bias.module.tensors(bias.heads, q.device))
+            return _AdditiveBiasAttention.apply(q, k, v, bias, None, *bias.module.tensors(bias.heads, q.device))
     return _chunked_bias(q, k, v, bias)
 
 
@@ -258,7 +262,8 @@ class _KeyBiasAttention(torch.autograd.Function):
     column's (FoX's gates); the centre is a constant, as the output does not depend on it."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, values: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         B, H, tq, D = q.shape
         scale = D**-0.5
         k_ext, v_ext = _extended(k, H), _extended(v, H)
@@ -271,12 +276,21 @@ class _KeyBiasAttention(torch.autograd.Function):
                 o, lse_part = _FLASH(q_c, k_ext[..., part, :], v_ext[..., part, :], 0.0, causal, scale=scale)
                 merged, total = _merge(merged, total, o, lse_part)
             out[..., rows, :], lse[..., rows] = merged, total
-        ctx.save_for_backward(q, k, v, values, out, lse)
+        mass = None
+        if sinks is not None:  # the sink a_h in the kernel's units, a_h + c_h(m) - c_h(centre), per chunk
+            first, shifted = k.shape[-2] - tq, torch.empty_like(lse, dtype=values.dtype)
+            for rows, _, centre, _ in _chunks(tq, first):
+                own = values[..., first + rows.start : first + rows.stop]
+                shifted[..., rows] = own - values[..., centre : centre + 1]
+            shifted += sinks.to(values.dtype)[:, None]
+            out, lse = with_sinks(out, lse, shifted)
+            mass = sink_mass(lse, shifted)
+        ctx.save_for_backward(q, k, v, values, out, lse, sinks, mass)
         return out[..., :D]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        q, k, v, values, out, lse = ctx.saved_tensors
+        q, k, v, values, out, lse, sinks, mass = ctx.saved_tensors
         B, H, tq, D = q.shape
         scale, offset = D**-0.5, k.shape[-2] - tq
         grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -305,12 +319,19 @@ class _KeyBiasAttention(torch.autograd.Function):
         for rows, _, centre, parts in _chunks(tq, offset):  # each chunk's own square block
             part = parts[0][0]
             call(rows, part, centre, True, _extended(k[..., part, :], H), _extended(v[..., part, :], H))
-        grad_values = None
+        grad_values = row_sink = None
+        if sinks is not None:  # each row's sink logit in the kernel's units, a_h + c_h(m) - c_h(centre)
+            row_sink = sink_row_gradient(grad, out[..., :D], mass)
         if column is not None:  # the column is c_h(n) / scale
             grad_values = column.to(torch.float64) / scale
+            if row_sink is not None:  # c_h(m) in its row's sink (the centre cancels, as without a sink)
+                grad_values[..., offset:] += row_sink.to(torch.float64)
             if values.shape[0] != B:
                 grad_values = grad_values.sum(0, keepdim=True)
-        return grad_q, grad_k, grad_v, grad_values
+        if sinks is None:
+            return grad_q, grad_k, grad_v, grad_values
+        grad_sinks = row_sink.sum(dim=(0, 2)).to(sinks.dtype) if ctx.needs_input_grad[4] else None
+        return grad_q, grad_k, grad_v, grad_values, grad_sinks
 
 
 def _per_query_head(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -330,7 +351,7 @@ class _AdditiveBiasAttention(torch.autograd.Function):
     dS = P (dO v^T - rowsum(dO O))."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias,
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: LayerBias, sinks: torch.Tensor | None,
                 *tensors: torch.Tensor) -> torch.Tensor:
         B, H, tq, D = q.shape
         offset = k.shape[-2] - tq
@@ -350,17 +371,21 @@ class _AdditiveBiasAttention(torch.autograd.Function):
                                      scale=D**-0.5)
                 merged, total = _merge(merged, total, o, lse_tile)
             out[..., rows, :], lse[..., rows] = merged, total
-        ctx.save_for_backward(out, lse, *given)
+        mass = None
+        if sinks is not None:  # attention sinks (`model.sink_attention`): a_h in every row's denominator
+            out, lse = with_sinks(out, lse, sinks)
+            mass = sink_mass(lse, sinks)
+        ctx.save_for_backward(out, lse, sinks, mass, *given)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out, lse, q, k, v, *tensors = ctx.saved_tensors
+        out, lse, sinks, mass, q, k, v, *tensors = ctx.saved_tensors
         kv_heads, module, heads, start = k.shape[1], ctx.bias.module, ctx.bias.heads, ctx.bias.start
         B, H, tq, D = q.shape
         offset, scale = k.shape[-2] - tq, D**-0.5
         k, v = _per_query_head(k, H), _per_query_head(v, H)
-        wanted = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[4:])]
+        wanted = [t.detach().requires_grad_(need) for t, need in zip(tensors, ctx.needs_input_grad[5:])]
         needed = [t for t in wanted if t.requires_grad]
         with torch.enable_grad():
             prepared = module.prepared(wanted)
@@ -400,7 +425,10 @@ class _AdditiveBiasAttention(torch.autograd.Function):
             grad_q[..., rows, :] = grad_q_c.view(B, H, n, D).mul_(scale)
         grads = iter(torch.autograd.grad(inner, needed, grad_inner, materialize_grads=True) if inner else ())
         grad_k, grad_v = (g.view(B, H, -1, D) for g in (grad_k, grad_v))
-        return (grad_q, _grouped(grad_k, kv_heads), _grouped(grad_v, kv_heads), None,
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            grad_sinks = sink_gradient(grad, out, mass).to(sinks.dtype)
+        return (grad_q, _grouped(grad_k, kv_heads), _grouped(grad_v, kv_heads), None, grad_sinks,
                 *(next(grads) if t.requires_grad else None for t in wanted))
 
 
@@ -667,6 +695,11 @@ class CausalSelfAttention(nn.Module):
             self.v = nn.Linear(cfg.n_embd, kv, bias=False)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=self.fused)
         self.score_bias = self.design.bias(cfg.n_head, cfg.n_embd) if self.design.bias else None
+        transform = self.design.transform  # a q/k transform with parameters (PoPE's phase bias)
+        self.qk_transform = transform(cfg.params, cfg.n_head, cfg.rope_width()) if transform else None
+        # the softmax modifiers (`model.designs.sinks`, `model.designs.ssmax`): per-head parameters [H]
+        self.sinks = nn.Parameter(torch.empty(cfg.n_head).normal_(0.0, cfg.init_std)) if cfg.sinks else None
+        self.ssmax = nn.Parameter(torch.full((cfg.n_head,), ssmax_init(cfg.max_seq_len))) if cfg.ssmax else None
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.kernel = cfg.kernel  # `takes_gpu_path`
 
@@ -686,16 +719,20 @@ class CausalSelfAttention(nn.Module):
         documents: Documents | None = None,
         queries: int = 0,
         q_scale: torch.Tensor | None = None,
+        key_counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, T, C] continuing `cache` (if any); rope: cos/sin at the positions of these T tokens;
         documents: each token's document, for document masking (None: one document). queries > 0:
         the output of the last `queries` positions only [B, queries, C], over the keys of all T.
-        q_scale: each query's score multiplier ([T, 1] or [B, 1, T, 1]: the length temperature)."""
+        q_scale: each query's score multiplier ([T, 1] or [B, 1, T, 1]: the length temperature).
+        key_counts: the keys each query attends to ([T] or [B, T], before a window), for SSMax."""
         B, T, C = x.shape
         q, k, v = self.heads(x)
-        q, k = self.design.qk(q, k, rope)
+        q, k = (self.design.qk if self.qk_transform is None else self.qk_transform)(q, k, rope)
         if q_scale is not None:
             q = q * q_scale
+        if self.ssmax is not None:
+            q = q * ssmax_scale(self.ssmax, key_counts, self.design.window).to(q.dtype)
         score_bias = self.score_bias
         terms = score_bias.terms(x) if score_bias is not None and score_bias.gated else None
         if cache is not None:
@@ -708,8 +745,17 @@ class CausalSelfAttention(nn.Module):
         bias = None if score_bias is None else LayerBias(score_bias, terms, heads=heads)
         if capture is not None:
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
-            capture.append(AttentionInputs(q, k_eff, bias, self.design.window))
-        y = causal_attention(q, k, v, bias, documents, self.design.window, self.kernel)
+            sinks = None if self.sinks is None else self.sinks[heads].detach()
+            capture.append(AttentionInputs(q, k_eff, bias, self.design.window, sinks))
+        width = v.shape[-1]
+        if q.shape[-1] != width:  # q_eff wider than v (PoPE's): v zero-padded, the fused kernels want one size
+            v = F.pad(v, (0, q.shape[-1] - width))
+        if self.sinks is None:
+            y = causal_attention(q, k, v, bias, documents, self.design.window, self.kernel)
+        else:
+            y = sink_attention(q, k, v, self.sinks[heads], bias, documents, self.design.window,
+                               self.kernel)
+        y = y[..., :width]
         if sp is not None:
             y = sp.to_sequence(y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

@@ -176,6 +176,10 @@ class ModelConfig:
           run's config is checked: `unselected_params`).
     length_temperature: query i's dot-product scores are multiplied by max(1, log(i + 1) / log(L0)),
           L0 = max_seq_len, i counted from the document start under doc_positions.
+    sinks: a learned logit per head and layer in the softmax's denominator, with no value (gpt-oss's
+          attention sinks: `model.designs.sinks`); any design.
+    ssmax: scalable softmax, query i's dot-product scores times s_h log n_i with a learned s_h per
+          head and layer, n_i the keys it attends to (`model.designs.ssmax`); any design.
     max_seq_len: the training length (dynamic NTK and YaRN scale relative to it, or to
       `rope_scaling.original_max_seq_len` when set).
     rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
@@ -198,6 +202,8 @@ class ModelConfig:
     attention: str = "origin"
     design_params: DesignParams = field(default_factory=DesignParams)
     length_temperature: bool = False
+    sinks: bool = False
+    ssmax: bool = False
     rotary_pct: float = 1.0
     rope_base: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
@@ -254,6 +260,8 @@ class ModelConfig:
                              "each document only where attention stays within it)")
         if self.length_temperature and self.max_seq_len < 2:
             raise ValueError("model.length_temperature=true needs model.max_seq_len >= 2 (it divides by log(L0))")
+        if self.ssmax and self.max_seq_len < 2:
+            raise ValueError("model.ssmax=true needs model.max_seq_len >= 2 (s starts at 1 / log(L0))")
         if self.init_std <= 0 or self.layernorm_eps <= 0:
             raise ValueError("model.init_std and model.layernorm_eps must be > 0")
 
@@ -292,6 +300,11 @@ class ModelConfig:
         """How many rotary pairs rotate (p-RoPE), or None for all (`Rope(pairs=...)`)."""
         d = self.design
         return None if d.rotating_pairs is None else d.rotating_pairs(self.params, self.rotary_dims // 2)
+
+    def rope_width(self) -> int:
+        """The width of the RoPE tables the design reads (`Design.rope_width`; RoPE's: rotary_dims)."""
+        d = self.design
+        return self.rotary_dims if d.rope_width is None else d.rope_width(self.rotary_dims)
 
     @property
     def kv_heads(self) -> int:

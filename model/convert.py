@@ -34,6 +34,8 @@ from .config import ModelConfig
 from .designs import DESIGNS
 from .designs.origin import ORIGIN
 
+MODIFIERS = ("sinks", "ssmax")  # the softmax modifiers' config fields, each one parameter [H] per layer
+
 
 class ConversionError(ConfigError):
     """A conversion that cannot make sense; one line that says why (a usage error: exit 2)."""
@@ -53,6 +55,10 @@ class Conversion:
 
 def check_conversion(source: ModelConfig, target: ModelConfig) -> None:
     """Refuse, in one line, a conversion that cannot make sense."""
+    for name in MODIFIERS:
+        if getattr(source, name) and not getattr(target, name):
+            raise ConversionError(f"the source has model.{name}=true and the target not: a conversion does not "
+                                  f"drop learned parameters")
     if source.attention == target.attention:
         return
     if source.design is not ORIGIN or target.design.from_origin is None:
@@ -76,8 +82,34 @@ def t_init(cfg: ModelConfig) -> str | None:
 
 def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig,
             seed: int = 0) -> tuple[dict[str, torch.Tensor], Conversion]:
-    """`state` (the source model's) as the target attention's state dict, and what was carried."""
+    """`state` (the source model's) as the target attention's state dict, and what was carried;
+    softmax modifiers the target adds (`model.sinks`, `model.ssmax`) start as a new model's."""
     check_conversion(source, target)
+    out, done = _convert_design(state, source, target, seed)
+    added = _fresh_layer_parameters(out, target, seed)
+    return {**out, **added}, Conversion(carried=done.carried, fresh=[*done.fresh, *sorted(added)])
+
+
+def _fresh_layer_parameters(state: dict[str, torch.Tensor], target: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Each attention layer's parameters the target has and `state` lacks (a softmax modifier's,
+    a q/k transform's: PoPE's phase bias), as a new attention layer of `target` initialises them,
+    drawn from `seed`."""
+    from .attention import CausalSelfAttention
+
+    fresh = {}
+    if not (target.sinks or target.ssmax or target.design.transform):
+        return fresh
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in range(target.n_layer):
+            names = {f"h.{layer}.attn.{name}": p for name, p in CausalSelfAttention(target, layer).named_parameters()}
+            fresh.update({name: p.detach() for name, p in names.items() if name not in state})
+    return fresh
+
+
+def _convert_design(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig,
+                    seed: int) -> tuple[dict[str, torch.Tensor], Conversion]:
+    """The attention's part of `convert`."""
     out = {name: tensor.clone() for name, tensor in state.items()}
     if source.attention == target.attention:
         return out, Conversion(carried=sorted(out), fresh=[])

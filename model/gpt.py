@@ -24,6 +24,7 @@ from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
 from .designs import Rope, RopeTables
 from .designs.base import ScoreBias
+from .designs.ssmax import key_counts as key_counts_of
 from .designs.temperature import length_temperature
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
@@ -97,11 +98,11 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg) if cfg.arch == "llama" else MLP(cfg)
 
     def forward(self, x, rope: RopeTables | None, cache: LayerCache | None = None, capture=None, documents=None,
-                queries: int = 0, q_scale: torch.Tensor | None = None):
+                queries: int = 0, q_scale: torch.Tensor | None = None, key_counts: torch.Tensor | None = None):
         """x [B, T, C] -> [B, T, C]; with `queries` > 0 only the last `queries` positions' outputs
         [B, queries, C] (keys and values still come from all T: see `CausalSelfAttention`)."""
         rows = x[:, -queries:] if queries else x
-        attended = self.attn(self.ln_1(x), rope, cache, capture, documents, queries, q_scale)
+        attended = self.attn(self.ln_1(x), rope, cache, capture, documents, queries, q_scale, key_counts)
         if self.parallel:
             return rows + attended + self.mlp(self.ln_2(rows))
         rows = rows + attended
@@ -144,11 +145,18 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.rope = (
-            Rope(cfg.rotary_dims, cfg.rope_base, cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len,
+            Rope(cfg.rope_width(), cfg.rope_base, cfg.rope_scaling.original_max_seq_len or cfg.max_seq_len,
                  cfg.rope_scaling, pairs=cfg.rope_pairs())
             if cfg.design.rope
             else None
         )
+        # each layer's RoPE: the model's, or one at the layer's own base (the hybrid's global RoPE layers)
+        self.layer_ropes = [
+            self.rope if self.rope is None or cfg.layer_design(i).rope_base is None
+            else Rope(cfg.rope_width(), cfg.layer_design(i).rope_base, self.rope.train_len, cfg.rope_scaling,
+                      pairs=cfg.rope_pairs())
+            for i in range(cfg.n_layer)
+        ]
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.apply(lambda module: init_weights(module, cfg.init_std))
 
@@ -198,23 +206,30 @@ class GPT(nn.Module):
         # [B, T] (per row; heads broadcast) or [T]
         at = positions(documents.ids)[:, first : first + T] if per_document else torch.arange(first, first + T,
                                                                                              device=idx.device)
-        rope = None
-        if self.rope is not None:
-            cos, sin = self.rope.tables(at, length, x.dtype)
-            rope = (cos[:, None], sin[:, None]) if per_document else (cos, sin)
+        tables = {}  # per Rope (layers at one base share their tables)
+        for rope in self.layer_ropes:
+            if rope is not None and id(rope) not in tables:
+                cos, sin = rope.tables(at, length, x.dtype)
+                tables[id(rope)] = (cos[:, None], sin[:, None]) if per_document else (cos, sin)
         q_scale = None
         if self.cfg.length_temperature:
             scale = length_temperature(at, self.cfg.max_seq_len).to(x.dtype)[..., None]
             q_scale = scale[:, None] if per_document else scale
+        key_counts = None
+        if self.cfg.ssmax:  # the keys each query attends to: within its document under doc_mask
+            within = documents.positions[:, first : first + T] if documents is not None else at
+            key_counts = key_counts_of(within)
         remat = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         keep = keep if 0 < keep < T and capture is None and documents is None else 0
         for i, block in enumerate(self.h):
             layer_cache = cache.layers[i] if cache is not None else None
             queries = keep if i == len(self.h) - 1 else 0
+            rope = None if self.layer_ropes[i] is None else tables[id(self.layer_ropes[i])]
             if remat and layer_cache is None and capture is None:
-                x = checkpoint(block, x, rope, None, None, documents, queries, q_scale, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, None, documents, queries, q_scale, key_counts,
+                               use_reentrant=False)
             else:
-                x = block(x, rope, layer_cache, capture, documents, queries, q_scale)
+                x = block(x, rope, layer_cache, capture, documents, queries, q_scale, key_counts)
         return self.ln_f(x)
 
     def forward(
@@ -268,8 +283,8 @@ class GPT(nn.Module):
         old = self.cfg.rope_scaling
         scaling = replace(old, type=type, factor=factor)  # YaRN's betas and the original length stay
         self.cfg = replace(self.cfg, rope_scaling=scaling)  # re-validates (e.g. a scaling on ALiBi)
-        if self.rope is not None:
-            self.rope.scaling = scaling
+        for rope in {id(r): r for r in self.layer_ropes if r is not None}.values():
+            rope.scaling = scaling
 
     def set_length_temperature(self, on: bool) -> None:
         """Switch the length temperature (`ModelConfig.length_temperature`) on a trained model."""

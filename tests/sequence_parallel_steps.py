@@ -43,14 +43,18 @@ ARCHS = {"neox": {}, "llama": dict(arch="llama", parallel_residual=False, n_kv_h
 
 # Parameters that make a design's feature act in 32 tokens: the hybrid's layer 0 in a window of 5
 # (its layer 1 global NoPE), p-RoPE rotating half its pairs.
-PARAMS = {"hybrid": {"hybrid": {"window": 5, "nope_every": 2}}, "prope": {"prope": {"p": 0.5}}}
+PARAMS = {"hybrid": {"hybrid": {"window": 5, "nope_every": 2}}, "prope": {"prope": {"p": 0.5}},
+          "pope": {"pope": {"phase_bias": True}}}
 
 
 def model_config(arch: str, design: str, data: str, scaling: str) -> ModelConfig:
     """Two layers of 4 heads of 8 dims at 32 tokens; `scaling` dynamic stretches from 16, temp is
-    the length temperature from L0 = 8 (so that it acts on most of the row)."""
+    the length temperature from L0 = 8 (so that it acts on most of the row), softmax the softmax
+    modifiers (sinks and SSMax)."""
     rope = RopeScaling("dynamic", 2.0, original_max_seq_len=SEQ_LEN // 2) if scaling == "dynamic" else RopeScaling()
     temp = dict(length_temperature=True, max_seq_len=SEQ_LEN // 4) if scaling == "temp" else dict(max_seq_len=SEQ_LEN)
+    if scaling == "softmax":
+        temp.update(sinks=True, ssmax=True)
     return ModelConfig(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, ffn_hidden=64, **temp,
                        **{**DESIGNS[design].settings(),
                           **({"design_params": PARAMS[design]} if design in PARAMS else {})},
@@ -61,7 +65,8 @@ def model_config(arch: str, design: str, data: str, scaling: str) -> ModelConfig
 def overrides(cfg: ModelConfig) -> list[str]:
     """The same model as `train` overrides."""
     fields = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len", "attention",
-              "doc_mask", "doc_positions", "parallel_residual", "length_temperature")
+              "doc_mask", "doc_positions", "parallel_residual", "length_temperature",
+              "sinks", "ssmax")
     out = [f"model.{name}={getattr(cfg, name)}" for name in fields] + [f"model.vocab_size={VOCAB}"]
     params = cfg.params
     if params is not None:

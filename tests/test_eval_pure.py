@@ -59,6 +59,7 @@ class Layer:
     k_eff: torch.Tensor
     slopes: torch.Tensor | None
     window: int = 0
+    sinks: torch.Tensor | None = None  # attention sinks' logits a_h
 
     @property
     def bias(self):
@@ -94,7 +95,9 @@ def reference_stats(layer: Layer, sigma: float, window: int) -> dict:
             outliers += int((row > mean + sigma * std).sum())
             if std > 0:
                 max_z = max(max_z, ((row - mean) / std).max().item())
-            p = torch.softmax(row, 0)
+            # exp(s) / (sum exp(s) [+ exp(a_h)]): a sink takes its share of every row
+            denominator = row.exp().sum() + (layer.sinks[hi].double().exp() if layer.sinks is not None else 0.0)
+            p = row.exp() / denominator
             local += p[max(0, mi - window + 1) :].sum().item()
     return {
         "max_score": vals.max().item(),
@@ -109,15 +112,16 @@ def reference_stats(layer: Layer, sigma: float, window: int) -> dict:
     }
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("alibi", [False, True])
-def test_chunked_attention_statistics_match_float64_definition(alibi):
+def test_chunked_attention_statistics_match_float64_definition(alibi, sinks):
     g = torch.Generator().manual_seed(0)
     h, t, d = 3, 37, 8
     q = torch.randn(1, h, t, d, generator=g)
     k = torch.randn(1, h, t, d, generator=g)
     k[0, 1, 5] *= 8.0  # a key that stands out, so that outliers exist
     slopes = torch.tensor([0.5, 0.25, 0.125]) if alibi else None
-    layer = Layer(q, k, slopes)
+    layer = Layer(q, k, slopes, sinks=torch.tensor([2.0, -1.0, 0.5]) if sinks else None)
     got = layer_statistics(layer, sigma=2.0, window=4, chunk=7)
     want = reference_stats(layer, sigma=2.0, window=4)
     assert want["outlier_count"] > 0

@@ -40,7 +40,8 @@ L0 = 32
 # p-RoPE at p = 0.5: with llama's 4 rotary pairs the default 0.25 rotates only theta_0 = 1, which no
 # scaling changes (the test checks that each scaling changes the logits).
 EXTRAS = {"origin": dict(rotary_pct=0.5, parallel_residual=False), "coca-slack": dict(rotary_pct=0.5),
-          "p-rope": dict(design_params={"prope": {"p": 0.5}}), "hybrid": dict(length_temperature=True)}
+          "p-rope": dict(design_params={"prope": {"p": 0.5}}), "hybrid": dict(length_temperature=True),
+          "pope": dict(design_params={"pope": {"phase_bias": True}})}
 DESIGNS = {label: {**design.settings(), **EXTRAS.get(label, {})} for label, design in BY_LABEL.items()}
 SAMPLE = (
     "The quick brown fox, naïve café owner, paid €12.50 for 3 crêpes.\n"
@@ -266,6 +267,50 @@ def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
     ours = model.generate(prompt, 32, greedy=True)
     theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
     assert torch.equal(theirs, ours)
+
+
+@pytest.mark.parametrize("variant", ["neox", "llama"])
+@pytest.mark.parametrize("design", ["origin", "fox", "hybrid"])
+def test_softmax_modifiers_export_through_the_remote_code(design, variant, tokenizer, tmp_path):
+    """Sinks and SSMax (drawn at std 0.3 like every weight: sinks around 0, s of either sign) on a
+    RoPE design (Origin, then remote code), a gated bias (FoX: its terms in the HF cache) and the
+    windowed hybrid: the logits at L0 and 8 L0, and greedy generation over transformers' cache."""
+    model = random_model(tokenizer, design, variant, sinks=True, ssmax=True)
+    idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
+    out = export_hf(model, tokenizer, tmp_path / "export")
+    assert (out / "modeling_coca_lm.py").exists()
+    hf = load_hf(out)
+    assert hf.config.sinks and hf.config.ssmax
+    with torch.no_grad():
+        for length in (L0, 8 * L0):
+            want = model(idx[:, :length])
+            torch.testing.assert_close(hf(idx[:, :length]).logits, want, rtol=0, atol=1e-5)
+            assert want.std() > 0.05
+    prompt = idx[:1, :20]
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    assert torch.equal(theirs, model.generate(prompt, 32, greedy=True))
+
+
+@pytest.mark.parametrize("variant", ["neox", "llama"])
+def test_hybrid_with_global_rope_layers_at_their_own_base_exports(variant, tokenizer, tmp_path):
+    """Gemma 3's layout (local windowed RoPE, every second layer global RoPE at base 50): logits at
+    L0 and 8 L0 under each scaling the export can carry, and greedy generation; a static NTK base,
+    which only the model's rope_theta can carry, is refused in one line."""
+    params = {"hybrid": {"nope_every": 2, "window": 5, "global_layers": "origin", "global_rope_base": 50.0}}
+    model = random_model(tokenizer, "hybrid", variant, design_params=params, length_temperature=False)
+    idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
+    for kind, factor in (("none", 1.0), ("dynamic", 4.0), ("yarn", 4.0)):
+        model.set_rope_scaling(kind, factor)
+        hf = load_hf(export_hf(model, tokenizer, tmp_path / kind))
+        with torch.no_grad():
+            for length in (L0, 8 * L0):
+                torch.testing.assert_close(hf(idx[:, :length]).logits, model(idx[:, :length]), rtol=0, atol=1e-5)
+    prompt = idx[:1, :20]
+    theirs = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    assert torch.equal(theirs, model.generate(prompt, 32, greedy=True))
+    model.set_rope_scaling("ntk", 4.0)
+    with pytest.raises(ExportError, match="rope_scaling ntk on a model whose layers have RoPE bases of their own"):
+        export_hf(model, tokenizer, tmp_path / "ntk")
 
 
 @pytest.mark.parametrize("variant, design", [("neox", "origin"), ("llama", "origin"), ("llama", "coca-slack"),

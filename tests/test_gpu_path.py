@@ -25,6 +25,10 @@ from model.designs import DESIGNS
 
 ROOT = Path(__file__).resolve().parents[1]
 BIASED = [key for key, d in DESIGNS.items() if d.bias]  # the designs with a score bias: alibi, kerple, fire, fox
+# The softmax modifiers (model.sinks, model.ssmax) on one design of each kernel route: the q/k
+# designs' plain kernel (origin, PoPE's wider q_eff with its padded v), the fused key-bias kernel
+# (alibi, fox), the tiled additive one (kerple) and a window (hybrid).
+MODIFIED = ["origin", "pope", "alibi", "fox", "kerple", "hybrid"]
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +105,31 @@ def test_fake_cuda_sweep(key):
     assert found == {}
 
 
+@pytest.mark.parametrize("mode", ["train", "kv_cache"])
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
+@pytest.mark.parametrize("key", MODIFIED)
+def test_softmax_modifiers_on_the_gpu_path_have_cuda_kernels(key, documents, mode):
+    """With sinks and SSMax the GPU path takes the explicit sink chunks (FlexAttention's score_mod
+    cannot add a column to the softmax's denominator: `model.sink_attention`), never the CPU kernels
+    and never FlexAttention."""
+    checked = Case(key, documents, "fp32", mode, modifiers=True).run()
+    assert checked.missing == {} and "flex_attention" not in checked.seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", list(DESIGNS))
+def test_fake_cuda_sweep_with_softmax_modifiers(key):
+    """The sweep's cases again with sinks and SSMax on, every design."""
+    found = {}
+    for documents in (False, True):
+        for dtype in ("fp32", "bf16"):
+            for mode in MODES:
+                checked = Case(key, documents, dtype, mode, modifiers=True).run()
+                if checked.missing:
+                    found[(documents, dtype, mode)] = checked.missing
+    assert found == {}
+
+
 def test_flex_joint_graph_check_catches_a_tensor_read_twice():
     """FoX's prefix sums read at m and at n of one tensor had no GPU backward: the check names it."""
     torch.manual_seed(0)
@@ -120,11 +149,11 @@ def test_flex_joint_graph_check_catches_a_tensor_read_twice():
 # ---- forced Flex against the CPU kernels ---------------------------------------------------------------------
 
 
-def _pair(key: str, documents: bool, positions: bool = True) -> tuple[GPT, GPT]:
+def _pair(key: str, documents: bool, positions: bool = True, **modifiers) -> tuple[GPT, GPT]:
     """The same weights on the CPU kernels and on the forced GPU path."""
     torch.manual_seed(1)
-    cpu = GPT(config(key, documents, kernel="auto", doc_positions=positions and documents))
-    gpu = GPT(config(key, documents, kernel="flex", doc_positions=positions and documents))
+    cpu = GPT(config(key, documents, kernel="auto", doc_positions=positions and documents, **modifiers))
+    gpu = GPT(config(key, documents, kernel="flex", doc_positions=positions and documents, **modifiers))
     gpu.load_state_dict(cpu.state_dict())
     return cpu, gpu
 
@@ -155,8 +184,21 @@ def test_forced_flex_equals_cpu_kernels_with_gradients(key, setting):
     across rows, `doc_positions` on and off (a bias then reads positions from the row's start), the
     hybrid's window; and a KV-cache continuation of 8 tokens (queries at positions 16..23: the
     chunked path on a GPU) equals the full forward's last rows."""
+    _equal_paths(key, setting)
+
+
+@pytest.mark.parametrize("setting", ["plain", "documents"])
+@pytest.mark.parametrize("key", MODIFIED)
+def test_forced_flex_equals_cpu_kernels_with_softmax_modifiers(key, setting):
+    """The same with sinks and SSMax on: the GPU path's explicit sink chunks against the CPU path's
+    fused kernels (the sink taken into their output and log-sum-exp), logits, every gradient (the
+    sinks' and SSMax's scales among them) and a KV-cache continuation."""
+    _equal_paths(key, setting, sinks=True, ssmax=True)
+
+
+def _equal_paths(key: str, setting: str, **modifiers) -> None:
     documents = setting != "plain"
-    cpu, gpu = _pair(key, documents, positions=setting == "documents")
+    cpu, gpu = _pair(key, documents, positions=setting == "documents", **modifiers)
     idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
     docs = DOCUMENTS if documents else None
     want = _logits_and_grads(cpu, idx, docs)

@@ -136,19 +136,22 @@ def test_activation_checkpointing_gives_the_same_gradients(attention, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("attention, form", VARIANTS, ids=IDS)
 def test_capture_qk_gives_the_layer_scores(attention, form, arch, layer):
-    """Scores from capture_qk by the documented formula reproduce the layer's attention output
-    (under GQA k_eff has a head per query head: each its kv head's; a window masks far keys)."""
+    """Scores from capture_qk by the documented formula, q_eff . k_eff / sqrt(q_eff's width),
+    reproduce the layer's attention output (under GQA k_eff has a head per query head: each its kv
+    head's; a window masks far keys; PoPE's q_eff and k_eff are twice the head dimension)."""
     model = small(attention, form, arch)
     seen = {}
     model.h[layer].attn.register_forward_hook(lambda mod, args, out: seen.update(x=args[0], out=out))
     idx = tokens(1, 12, seed=6)
     captured = model.capture_qk(idx)
     assert len(captured) == model.cfg.n_layer
-    q_eff, k_eff, bias, window = captured[layer]
-    assert (bias is None) == (design_of(attention, form).bias is None) and q_eff.shape == (1, 2, 12, 8)
+    q_eff, k_eff, bias, window, sinks = captured[layer]
+    assert sinks is None  # no model.sinks
+    width = 16 if attention == "pope" else 8
+    assert (bias is None) == (design_of(attention, form).bias is None) and q_eff.shape == (1, 2, 12, width)
     assert window == (3 if (attention, layer) == ("hybrid", 0) else 0)
     m = torch.arange(12)
-    scores = q_eff @ k_eff.transpose(-1, -2) / math.sqrt(8)
+    scores = q_eff @ k_eff.transpose(-1, -2) / math.sqrt(width)
     if attention == "alibi":  # the captured bias is ALiBi's, slopes 2^-4, 2^-8 for 2 heads
         slopes = torch.tensor([2.0**-4, 2.0**-8], dtype=torch.float64)
         causal = m[:, None] >= m[None, :]

@@ -52,12 +52,15 @@ def float64_cases() -> list[str]:
                     cases.append(f"{arch}:{design.key}:{data}:{scaling}")
                 if arch == "neox":  # the length temperature, at global positions
                     cases.append(f"{arch}:{design.key}:{data}:temp")
-    return [*cases, "mqa:origin:docs:dynamic", "mqa:alibi:docs:none", "mqa:fox:docs:none"]
+    softmax = ["neox:origin:docs:softmax", "llama:alibi:docs:softmax", "neox:hybrid:plain:softmax",
+               "mqa:fox:docs:softmax", "llama:pope:docs:softmax"]  # sinks and SSMax
+    return [*cases, "mqa:origin:docs:dynamic", "mqa:alibi:docs:none", "mqa:fox:docs:none", *softmax]
 
 
 ENGINE_CASES = ["zero0:neox:alibi:docs:none", "zero2:llama:coca_strict:docs:dynamic",
                 "zero3:llama:origin:docs:dynamic", "zero3:neox:coca:plain:none", "zero2:llama:fox:docs:temp",
-                "zero3:neox:hybrid:docs:none", "zero3:llama:fire:plain:none"]
+                "zero3:neox:hybrid:docs:none", "zero3:llama:fire:plain:none", "zero3:llama:origin:docs:softmax",
+                "zero2:neox:pope:plain:none"]
 
 
 def batch() -> torch.Tensor:

@@ -152,6 +152,12 @@ class Design:
     window: a sliding window of this many keys (the query's own included; 0: every earlier key).
     rotating_pairs: (params, rotary pairs) -> how many pairs rotate, the highest frequencies first
       (the rest get frequency 0: `Rope(pairs=...)`); None: all of them.
+    rope_base: a RoPE base of this layer's own (the hybrid's global RoPE layers); None: model.rope_base.
+    rope_width: (rotary dims r) -> the width of the RoPE tables its `qk` reads (PoPE's 2r: one
+      frequency per component, base^(-c/r)); None: r (RoPE's r/2 frequencies, duplicated).
+    transform: (params, n_head, rope width) -> a module whose call replaces `qk` with learned
+      parameters of its own (the layer's `qk_transform`: PoPE's phase bias), or None where
+      `qk` serves; None: `qk` always.
     params: the dataclass of the design's parameters, with their defaults and checks (the config's
       `model.design_params.<attention>.<name>`, the export's `design_params`; the forms of one
       attention share it); None: it has none.
@@ -173,6 +179,9 @@ class Design:
     from_origin: Optional[str] = None
     window: int = 0
     rotating_pairs: Optional[Callable[[Any, int], int]] = None
+    rope_width: Optional[Callable[[int], int]] = None
+    rope_base: Optional[float] = None
+    transform: Optional[Callable[[Any, int, int], Optional[nn.Module]]] = None
     params: Optional[type] = None
     for_layer: Optional[Callable[[Any, int, int], Design]] = None
 

@@ -18,9 +18,11 @@ from .hybrid import HYBRID
 from .kerple import KERPLE
 from .nope import NOPE
 from .origin import ORIGIN
+from .pope import POPE
 from .prope import PROPE
 
-_LISTED: tuple[Design, ...] = (ORIGIN, ALIBI, COCA_SLACK, COCA_STRICT, NOPE, PROPE, HYBRID, KERPLE, FIRE, FOX)
+_LISTED: tuple[Design, ...] = (ORIGIN, ALIBI, COCA_SLACK, COCA_STRICT, NOPE, PROPE, HYBRID, KERPLE, FIRE, FOX,
+                               POPE)
 DESIGNS: dict[str, Design] = {d.key: d for d in _LISTED}
 ATTENTIONS: tuple[str, ...] = tuple(dict.fromkeys(d.attention for d in DESIGNS.values()))  # model.attention
 BY_LABEL: dict[str, Design] = {d.label: d for d in DESIGNS.values()}

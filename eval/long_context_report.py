@@ -8,7 +8,6 @@ run's design label (with its folder name where two runs share one), then ` + sca
 
 from __future__ import annotations
 
-import csv
 import json
 from collections import defaultdict
 from collections.abc import Sequence
@@ -19,7 +18,9 @@ import numpy as np
 from data.config import DataError
 from eval import plots
 from eval.position_loss import log_bins
+from eval.results import write_csv
 from eval.ruler.score import summary
+from eval.tables import markdown
 
 FILES = {"ruler": ("ruler.json", "cases"), "position_loss": ("position_loss.json", "rows")}
 
@@ -41,24 +42,6 @@ def load(eval_dir: Path) -> dict[str, dict]:
                             f"delete it and rerun `python -m eval task={task}`")
         out[task] = result
     return out
-
-
-def write_csv(path: Path, rows: Sequence[dict]) -> Path:
-    """Rows as CSV, the columns in order of first appearance (`eval.report` imports this module, so
-    its own writer cannot be imported here)."""
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    return path
-
-
-def markdown(header: Sequence[str], rows: Sequence[Sequence]) -> str:
-    """A Markdown table; floats to 4 significant digits."""
-    cell = lambda x: f"{x:.4g}" if isinstance(x, float) else str(x)  # noqa: E731
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows])
 
 
 def _label(prefix: str, scaling: str) -> str:

@@ -1,4 +1,4 @@
-"""`python -m eval run=<run dir or checkpoint> task=ppl|passkey|recall|attention|position_loss|ruler|all key=value ...`
+"""`python -m eval run=<run, checkpoint or HF directory> task=ppl|passkey|recall|attention|position_loss|ruler|all ...`
 
 Loads the model once, runs the tasks under each RoPE scaling, writes `<run>/eval/<task>.json` and
 the tables and figures (`eval.report`), and logs them to W&B. Bad input ends with a one-line
@@ -55,9 +55,9 @@ from eval.sweep import (
 from eval.wandb_log import log_to_wandb
 from model import GPT
 from model.denormals import flush_denormals
-from train.checkpoint import find_checkpoint, saved_model
+from train.checkpoint import find_checkpoint
 from train.config import TrainConfig, setup_id
-from train.load import check_device, load_model
+from train.load import check_device, is_hf_model, load_model, model_config_of
 
 
 class EvalError(UsageError):
@@ -128,8 +128,8 @@ def open_session(cfg: EvalConfig) -> Session:
     out = Path(cfg.out_dir) if cfg.out_dir else run_dir_of(run) / "eval"
     check_dir(out, "out_dir")
     check_sources_listed(cfg)
-    ckpt = find_checkpoint(run)
-    refusal = rope_request_refusal(cfg.model.rope_scaling.type, cfg.model.rope_scaling.factor, saved_model(ckpt))
+    ckpt = run if is_hf_model(run) else find_checkpoint(run)  # a Hugging Face directory: imported
+    refusal = rope_request_refusal(cfg.model.rope_scaling.type, cfg.model.rope_scaling.factor, model_config_of(ckpt))
     if refusal:
         raise EvalError(refusal)
     model, train_cfg, tokenizer = load_model(str(ckpt), device=cfg.device)

@@ -116,19 +116,22 @@ def test_ruler_and_position_loss_end_to_end_on_a_trained_run(micro_run, tmp_path
 
 
 @pytest.mark.slow
-def test_ruler_on_an_imported_llama3_directory_and_on_its_export(tmp_path):
+def test_ruler_on_a_llama3_directory_and_on_an_export_in_one_command(tmp_path):
+    """`python -m eval run=<dir>` on a Hugging Face directory (imported on the fly: Llama 3's shape,
+    tokenizer and llama3 RoPE) and on this project's export of a run started from it."""
     from test_hf_journey import RUN, _run, llama_dir
 
-    source = llama_dir(tmp_path / "model")  # Llama 3's shape, tokenizer and llama3 RoPE scaling
-    runs = {"imported": (source, tmp_path / "run"), "export": (tmp_path / "export", tmp_path / "again")}
-    for name, (init, run) in runs.items():
-        if name == "export":
-            _run("-m", "train.export_hf", f"run={runs['imported'][1]}", f"out={init}")
-        _run("-m", "train", *RUN, "max_steps=1", "ckpt_every=1", "eval_every=1", f"init_from={init}",
-             f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}")
-        _run("-m", "eval", f"run={run}", "task=ruler", "ruler.tasks=[niah_single_1,vt]", "ruler.lengths=[768]",
-             "ruler.cases=2", "ruler.budget=4", "scalings=[none,dynamic:2]", "progress=false", "wandb.mode=disabled")
-        result = json.loads((run / "eval" / "ruler.json").read_text())
-        assert result["meta"]["trained_scaling"] == "llama3:4"
+    source = llama_dir(tmp_path / "model")
+    run, export = tmp_path / "run", tmp_path / "export"
+    _run("-m", "train", *RUN, "max_steps=1", "ckpt_every=1", "eval_every=1", f"init_from={source}",
+         f"run_dir={run}", f"data.cache_dir={tmp_path / 'cache'}")
+    _run("-m", "train.export_hf", f"run={run}", f"out={export}")
+    for directory in (source, export):
+        out = tmp_path / f"eval_{directory.name}"
+        _run("-m", "eval", f"run={directory}", f"out_dir={out}", "task=ruler", "ruler.tasks=[niah_single_1,vt]",
+             "ruler.lengths=[768]", "ruler.cases=2", "ruler.budget=4", "scalings=[none,dynamic:2]",
+             "progress=false", "wandb.mode=disabled")
+        result = json.loads((out / "ruler.json").read_text())
+        assert result["meta"]["trained_scaling"] == "llama3:4" and result["meta"]["run"] == str(directory)
         assert {c["scaling"] for c in result["cases"]} == {"none", "dynamic:2"} and len(result["cases"]) == 8
         assert all(c["tokens"] == 764 for c in result["cases"])

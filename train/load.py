@@ -1,10 +1,14 @@
-"""Trained models out of checkpoints: `load_model(path) -> (GPT, TrainConfig, Tokenizer)`.
+"""Trained models out of checkpoints, or out of Hugging Face directories through the import path:
+`load_model(path) -> (GPT, TrainConfig, Tokenizer)`.
 
 Weights are gathered to fp32 whatever the ZeRO stage or precision of the run: ZeRO 1-3 (and the
 bf16 optimizer) keep fp32 master partitions, merged with DeepSpeed's own `zero_to_fp32`; a
 ZeRO-0 fp32 run stores the full module. Every checkpoint carries its config and tokenizer (a
 SentencePiece `tokenizer.model`, or a Hugging Face `tokenizer.json` with its `tokenizer_config.json`
 for a run started from a Hugging Face model: `checkpoint_tokenizer`).
+A Hugging Face directory (a `config.json`, no `config.yaml`: a GPT-NeoX or Llama checkpoint, or
+one of our exports) is imported (`hf.imports`) and given the default training config, whose data
+sources (standard-library text) are what an evaluation reads unless it names its own.
 The loader of every command that reads a trained model (`eval`, `generate`, `train.export_hf`):
 so the device check and the messages for a corrupt checkpoint live here, written once.
 """
@@ -23,8 +27,18 @@ import torch
 
 from data.config import DataError
 from data.tokenizer import SP_TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
-from model import GPT
-from train.checkpoint import CheckpointError, complete_checkpoints, find_checkpoint, older_hint, saved_config, verify
+from hf.imports import import_hf, is_hf_dir
+from hf.imports import read as read_hf
+from model import GPT, ModelConfig
+from train.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
+    find_checkpoint,
+    older_hint,
+    saved_config,
+    saved_model,
+    verify,
+)
 from train.config import ConfigError, TrainConfig, to_train_config
 
 TOKENIZER_FILE = SP_TOKENIZER_FILE  # a SentencePiece run's tokenizer in its checkpoints (every run's, before HF ones)
@@ -119,10 +133,27 @@ def checkpoint_tokenizer(ckpt: Path) -> Tokenizer | HFTokenizer:
         raise CheckpointError(f"checkpoint {ckpt}: its tokenizer is unusable ({error})") from None
 
 
+def is_hf_model(path: str | Path) -> bool:
+    """A Hugging Face directory rather than a run or checkpoint (which hold a config.yaml)."""
+    return is_hf_dir(path) and not (Path(path) / "config.yaml").exists()
+
+
+def model_config_of(path: str | Path) -> ModelConfig:
+    """The model config of what `load_model(path)` loads, read without loading the weights (an
+    HF directory's config.json mapped and its tensor headers checked)."""
+    return read_hf(path).model if is_hf_model(path) else saved_model(find_checkpoint(path))
+
+
 def load_model(path: str, device: str = "cpu") -> tuple[GPT, TrainConfig, Tokenizer | HFTokenizer]:
-    """A run directory (its newest complete checkpoint) or a checkpoint directory, as an fp32
-    model in eval mode on `device`, with the run's config and tokenizer. A damaged checkpoint
-    (a file missing or not at its written size) is refused first, naming the older sound one."""
+    """A run directory (its newest complete checkpoint), a checkpoint directory or a Hugging Face
+    directory, as an fp32 model in eval mode on `device`, with the run's config (an HF directory:
+    the default one around its imported model) and tokenizer. A damaged checkpoint (a file missing
+    or not at its written size) is refused first, naming the older sound one."""
+    if is_hf_model(path):
+        cfg, state = import_hf(path)
+        model = GPT(cfg)
+        model.load_state_dict(state)
+        return model.to(device).eval(), TrainConfig(model=cfg), load_tokenizer(path)
     ckpt = find_checkpoint(path)
     try:
         verify(ckpt)

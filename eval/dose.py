@@ -434,6 +434,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = [load_run(p) for p in args.runs]
         designs = {r.design for r in runs}
         reference = [r for r in (load_run(p, REFERENCE_NAME) for p in args.reference) if r.design in designs]
+        lengths = {n for r in runs for (_, n) in r.ratios}
+        if args.length not in lengths:
+            raise DataError(f"--length {args.length}: no run was evaluated at it (their lengths: "
+                            f"{', '.join(map(str, sorted(lengths)))})")
         train_lens = {r.train_len for r in runs}
         if len(train_lens) != 1:
             raise DataError(f"the runs have different training lengths ({sorted(train_lens)}): one report per length")

@@ -12,7 +12,8 @@
 # cost.json (wall seconds of training and evaluation on that machine); then `python -m eval.dose`
 # writes the report (the pre-registered family first when FAMILY is given).
 #
-#   RESULTS=docs/results/dose FAMILY=conf/study/dose.yaml launch/reproduce_dose.sh   # the study
+#   RESULTS=docs/results/dose FAMILY=conf/study/dose.yaml \
+#     REFERENCE="$(echo docs/results/perplexity/{origin,coca,alibi,fire}_s[0-9]*)" launch/reproduce_dose.sh
 #   DESIGNS="origin coca" SEEDS="101 102" DOSES="750 1500 3000" RESULTS=docs/results/dose/pilot \
 #     launch/reproduce_dose.sh                                                      # its pilot
 #
@@ -21,7 +22,10 @@
 # decay_fraction, seeds per design and top_only), DESIGNS, SEEDS, DOSES, FRACTION, TOP_ONLY
 # (override the file's, or stand alone without it), JOBS (chains at once, default 2, one thread
 # each), RESULTS (where finished runs and the report are published; commit it, and the study
-# continues on another machine where it stopped), EVAL (evaluation overrides, space separated).
+# continues on another machine where it stopped), TRAIN and EVAL (training and evaluation overrides,
+# space separated; a shortened trial: TRAIN="optim.warmup_steps=2" DOSES="10 20"),
+# LENGTH (the report figure's length, default 4096: 16x), REFERENCE (published runs of other schedules placed beside these in the report, `--reference`;
+# the study's: the perplexity study's cosine runs of the same designs).
 # Resumable: a published run is skipped, a finished training (DONE) or evaluation (eval/DONE) too,
 # and an interrupted one continues from its newest checkpoint (resume=auto).
 set -euo pipefail
@@ -45,6 +49,9 @@ TOP_ONLY=${TOP_ONLY:-$(family top_only "")}
 SEEDS=${SEEDS:-}
 JOBS=${JOBS:-2}
 RESULTS=${RESULTS:-}
+REFERENCE=${REFERENCE:-}
+LENGTH=${LENGTH:-4096}
+TRAIN=${TRAIN:-}
 EVAL=${EVAL:-"ppl.lengths=[256,512,1024,2048,4096,8192] ppl.stride=2048 ppl.n_docs=20"}
 SCALINGS="[none,dynamic:8]"
 export PRESET=study_ppl SCALINGS
@@ -88,10 +95,10 @@ train_dose() {  # design seed index first: train dose DOSES[index] (a branch unl
     start=("branch_from=$RUNS/$(name_of "$design" "${DOSES[$i - 1]}" "$seed")/checkpoints/step_$(printf %08d "${STARTS[$i - 1]}")")
   fi
   mkdir -p "$run_dir" && machine >> "$run_dir/machine.txt"
-  # shellcheck disable=SC2046  # one override per line
+  # shellcheck disable=SC2046,SC2086  # one override per line; TRAIN is a list of overrides
   python -m train $(training_args "$design") run_dir="$run_dir" name="dose_$(basename "$run_dir")" \
     seed="$seed" data.seed="$seed" optim.decay=wsd optim.decay_fraction="$FRACTION" max_steps="$dose" \
-    ckpt_every="$EVERY" keep_last="$KEEP" resume=auto logger.progress=false "${start[@]}" || return 1
+    ckpt_every="$EVERY" keep_last="$KEEP" resume=auto logger.progress=false $TRAIN "${start[@]}" || return 1
   echo $((SECONDS - t0)) >> "$run_dir/train_seconds"
   touch "$run_dir/DONE"
 }
@@ -165,5 +172,7 @@ for item in "${plan[@]}"; do
 done
 report=${RESULTS:-$RUNS/report}
 echo "== report -> $report"
-python -m eval.dose "${runs[@]}" ${FAMILY:+--family "$FAMILY"} --out "$report"
+# shellcheck disable=SC2086  # REFERENCE is a list of folders
+python -m eval.dose "${runs[@]}" ${FAMILY:+--family "$FAMILY"} ${REFERENCE:+--reference $REFERENCE} --length "$LENGTH" \
+  --out "$report"
 exit $failed

@@ -176,6 +176,10 @@ def test_report_regenerates_byte_for_byte_and_bad_input_is_one_line(study, tmp_p
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         f"error: {bad}: a dose run's folder is named <design>_d<steps>_s<seed>"]
+    result = subprocess.run([sys.executable, "-m", "eval.dose", *runs, "--length", "2048", "--out",
+                             str(tmp_path / "d")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "error: --length 2048: no run was evaluated at it (their lengths: 256, 1024, 4096)"]
 
 
 def test_sign_flip_p_counts_the_observed_assignment():

@@ -8,40 +8,25 @@ run's design label (with its folder name where two runs share one), then ` + sca
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from data.config import DataError
 from eval import plots
 from eval.position_loss import log_bins
-from eval.results import write_csv
+from eval.results import RESULT_LISTS, load_result, write_csv
 from eval.ruler.score import summary
 from eval.tables import markdown
 
-FILES = {"ruler": ("ruler.json", "cases"), "position_loss": ("position_loss.json", "rows")}
+FILES = {task: (f"{task}.json", RESULT_LISTS[task]) for task in ("ruler", "position_loss")}
 
 
 def load(eval_dir: Path) -> dict[str, dict]:
     """The RULER and position-loss results in an eval directory, or a `DataError` naming a bad file."""
-    out = {}
-    for task, (name, key) in FILES.items():
-        path = eval_dir / name
-        if not path.exists():
-            continue
-        try:
-            result = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise DataError(f"{path} is not valid JSON; delete it and rerun `python -m eval task={task}`") from None
-        if not (isinstance(result, dict) and isinstance(result.get("meta"), dict) and "label" in result["meta"]
-                and isinstance(result.get(key), list)):
-            raise DataError(f"{path} is not a `python -m eval` {task} result (needs meta.label and a {key} list); "
-                            f"delete it and rerun `python -m eval task={task}`")
-        out[task] = result
-    return out
+    return {task: load_result(eval_dir / name, task) for task, (name, _) in FILES.items()
+            if (eval_dir / name).exists()}
 
 
 def _label(prefix: str, scaling: str) -> str:

@@ -25,23 +25,24 @@ def save_json(path: Path, payload: dict) -> Path:
     return path
 
 
-RESULT_LISTS = {"ppl": "rows", "passkey": "cases", "recall": "cases", "attention": "rows"}
+RESULT_LISTS = {"ppl": "rows", "passkey": "cases", "recall": "cases", "attention": "rows",
+                "ruler": "cases", "position_loss": "rows"}  # each task's list of results
 
 
 def load_result(path: Path, task: str) -> dict:
     """One task's results, or a `DataError` naming the file when it is not what `python -m eval` writes."""
+    rerun = f"delete it and rerun `python -m eval` (task={task}) for that run"
     try:
         result = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); "
-                        "delete it and rerun `python -m eval` for that run") from None
+        raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); {rerun}") from None
     except UnicodeDecodeError:
-        raise DataError(f"{path} is not a text file; delete it and rerun `python -m eval` for that run") from None
+        raise DataError(f"{path} is not a text file; {rerun}") from None
     key = RESULT_LISTS[task]
     if not (isinstance(result, dict) and isinstance(result.get("meta"), dict) and "label" in result["meta"]
             and isinstance(result.get(key), list)):
         raise DataError(f"{path} is not a `python -m eval` {task} result (needs meta.label and a {key} list); "
-                        "delete it and rerun `python -m eval` for that run")
+                        f"{rerun}")
     return result
 
 

@@ -9,7 +9,7 @@
 # scratch. Every run is evaluated as the perplexity study evaluates (sliding-window perplexity on
 # the same 20 held-out documents at 1x .. 32x, as trained and with dynamic NTK 8 where the design
 # has RoPE) and published as <design>_d<steps>_s<seed> with its config, results, machine.txt and
-# cost.json (wall seconds of training and evaluation on that machine); then `python -m eval.dose`
+# cost.json (wall seconds of training, every start of it, and of evaluation); then `python -m eval.dose`
 # writes the report (the pre-registered family first when FAMILY is given).
 #
 #   RESULTS=docs/results/dose FAMILY=conf/study/dose.yaml \
@@ -94,12 +94,20 @@ train_dose() {  # design seed index first: train dose DOSES[index] (a branch unl
   if [ "$i" != "$first" ]; then
     start=("branch_from=$RUNS/$(name_of "$design" "${DOSES[$i - 1]}" "$seed")/checkpoints/step_$(printf %08d "${STARTS[$i - 1]}")")
   fi
-  mkdir -p "$run_dir" && machine >> "$run_dir/machine.txt"
+  mkdir -p "$run_dir/train_seconds.d" && machine >> "$run_dir/machine.txt"
+  # This start's wall seconds, kept every 30 s, so a start killed with its machine still counts.
+  local clock status=0 ticker
+  clock="$run_dir/train_seconds.d/$(date +%s)"
+  ( while sleep 30; do echo $((SECONDS - t0)) > "$clock"; done ) &
+  ticker=$!
   # shellcheck disable=SC2046,SC2086  # one override per line; TRAIN is a list of overrides
   python -m train $(training_args "$design") run_dir="$run_dir" name="dose_$(basename "$run_dir")" \
     seed="$seed" data.seed="$seed" optim.decay=wsd optim.decay_fraction="$FRACTION" max_steps="$dose" \
-    ckpt_every="$EVERY" keep_last="$KEEP" resume=auto logger.progress=false $TRAIN "${start[@]}" || return 1
-  echo $((SECONDS - t0)) >> "$run_dir/train_seconds"
+    ckpt_every="$EVERY" keep_last="$KEEP" resume=auto logger.progress=false $TRAIN "${start[@]}" || status=1
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  echo $((SECONDS - t0)) > "$clock"
+  if [ "$status" != 0 ]; then return 1; fi
   touch "$run_dir/DONE"
 }
 
@@ -116,10 +124,12 @@ evaluate_dose() {  # design seed dose: evaluate and publish
     published="$RESULTS/$(name_of "$design" "$dose" "$seed")"
     mkdir -p "$published"
     cp "$run_dir"/eval/*.json "$run_dir/config.yaml" "$run_dir/machine.txt" "$published/"
-    python -c 'import json, sys
-train = sum(int(line) for line in open(sys.argv[1]))
-print(json.dumps({"train_s": train, "eval_s": int(open(sys.argv[2]).read())}))' \
-      "$run_dir/train_seconds" "$run_dir/eval/seconds" > "$published/cost.json"
+    python -c 'import json, pathlib, sys
+run = pathlib.Path(sys.argv[1])  # every start of its training (train_seconds: the launcher before 2026-12-04)
+starts = [*run.glob("train_seconds.d/*")] + [run / "train_seconds"] * (run / "train_seconds").is_file()
+train = sum(int(line) for path in starts for line in path.read_text().split())
+print(json.dumps({"train_s": train, "eval_s": int((run / "eval" / "seconds").read_text())}))' \
+      "$run_dir" > "$published/cost.json"
     touch "$published/DONE"
   fi
 }

@@ -205,7 +205,9 @@ def test_dose_study_shortened(tmp_path: Path) -> None:
         assert {p.name for p in published.iterdir()} >= {"DONE", "config.yaml", "ppl.json", "machine.txt", "cost.json"}
         cfg = (published / "config.yaml").read_text()
         assert "decay: wsd" in cfg and f"max_steps: {run.split('_d')[1].split('_')[0]}" in cfg
-        assert set(json.loads((published / "cost.json").read_text())) == {"train_s", "eval_s"}
+        cost = json.loads((published / "cost.json").read_text())
+        assert set(cost) == {"train_s", "eval_s"} and cost["train_s"] >= 1
+        assert len(list((tmp_path / run / "train_seconds.d").iterdir())) == 1  # one start, its wall seconds
     branch = (tmp_path / "origin_d20_s2" / "config.yaml").read_text()
     assert "origin_d10_s2/checkpoints/step_00000008" in branch  # branched, not trained from scratch
     assert "branch_from: null" in (tmp_path / "alibi_d20_s1" / "config.yaml").read_text()

@@ -13,10 +13,14 @@ with its BOS, EOS and pad ids in config.json and generation_config.json.
 - origin (a design whose registry record says `native_hf`): a plain `GPTNeoXForCausalLM`
   (arch=neox) or `LlamaForCausalLM` (arch=llama: grouped-query attention, tied or untied
   embeddings), no custom code.
-- every other design (alibi, coca slack, coca strict, ...): also `modeling_coca_lm.py` (beside this
-  file) and the files of `model/designs/` (the math the modeling file imports with one dot), named
-  in `auto_map` (`CocaLMForCausalLM`, either architecture: `arch` in the config); load with
-  `trust_remote_code=True`. They import only torch (and transformers).
+- every other design (alibi, coca slack, coca strict, ...): also the model's own code, our
+  `model.gpt.GPT`, with the thin wrapper `modeling_coca_lm.py` (beside this file) named in
+  `auto_map` (`CocaLMForCausalLM`, either architecture: `arch` in the config); load with
+  `trust_remote_code=True`. The files are the wrapper and the closure of its one-dot imports
+  (`REMOTE_CODE`: `model/gpt.py`, `model/hf_layout.py` and what they import, `model/designs/` among
+  them), written flat as transformers' remote code wants them (a one-dot import names a sibling
+  file; `model/designs/__init__.py` is `designs.py`). They import only torch (and the wrapper
+  transformers).
 
 `out` must be new, empty, or (to replace it, with `overwrite`) a previous export holding only what
 the marker lists (`check_out`); the export is written into a temporary sibling and renamed in, so
@@ -37,26 +41,58 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
 
 from safetensors.torch import save_file
 
+import model as model_package
 from data.config import check_dir
 from data.tokenizer import HFTokenizer, Tokenizer
 from hf.names import hf_state_dict
 from model import GPT, ModelConfig, designs
 
-# The remote code of every export but Origin's: the modeling file and the design package it imports
-# (its `__init__` aside: the modeling file imports the modules themselves).
-REMOTE_CODE = (Path(__file__).with_name("modeling_coca_lm.py"),
-               *sorted(p for p in Path(designs.__file__).parent.glob("*.py") if p.name != "__init__.py"))
 EXPORT_MARKER = "coca_lm_export.json"  # names what the export wrote: overwrite=true replaces only that
 
 
 class ExportError(Exception):
     """Bad input to the export, reported as one line."""
+
+
+WRAPPER = Path(__file__).with_name("modeling_coca_lm.py")
+# What transformers reads as a module's relative imports (`dynamic_module_utils.get_relative_imports`):
+# `from .x import` and `import .x`, each the sibling file x.py.
+_RELATIVE = re.compile(r"^\s*(?:from\s+\.(\S+)\s+import|import\s+\.(\S+)\s*$)", re.MULTILINE)
+
+
+def remote_code() -> dict[str, Path]:
+    """The remote code of every export but Origin's, as shipped name -> source: the wrapper and,
+    transitively, each file its one-dot imports name, in the one flat folder of `model/`'s and
+    `model/designs/`'s files (that package's `__init__` as `designs.py`). A name that is no such
+    file (a two-part `.designs.base`, an import outside `model/`) is this project's bug: raised."""
+    root = Path(model_package.__file__).parent
+    package = Path(designs.__file__).parent
+    files = {p.name: p for p in sorted(root.glob("*.py")) if p.name != "__init__.py"}
+    flat = {p.name: p for p in sorted(package.glob("*.py")) if p.name != "__init__.py"}
+    flat["designs.py"] = package / "__init__.py"
+    if set(files) & set(flat):
+        raise RuntimeError(f"model/ and model/designs/ both have {sorted(set(files) & set(flat))}: they ship flat")
+    files.update(flat)
+    shipped, todo = {WRAPPER.name: WRAPPER}, [WRAPPER]
+    while todo:
+        for match in _RELATIVE.finditer(todo.pop().read_text()):
+            name = f"{match.group(1) or match.group(2)}.py"
+            if name not in shipped:
+                if name not in files:
+                    raise RuntimeError(f"the remote code imports .{name[:-3]}, which is not a file of model/")
+                shipped[name] = files[name]
+                todo.append(files[name])
+    return dict(sorted(shipped.items()))
+
+
+REMOTE_CODE = remote_code()
 
 
 def rope_parameters(m: ModelConfig) -> dict:
@@ -127,7 +163,7 @@ def hf_config(m: ModelConfig, tokenizer: Tokenizer | HFTokenizer) -> dict:
     if m.arch == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **config,
                 "rms_norm_eps": m.layernorm_eps, "rope_theta": rope["rope_theta"], "rope_scaling": scaling}
-    return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **config, **_block(m),
+    return {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **config, **_residual_and_norm(m),
             "rotary_pct": m.rotary_pct, "rotary_emb_base": rope["rope_theta"], "rope_scaling": scaling}
 
 
@@ -138,7 +174,8 @@ def native(m: ModelConfig) -> bool:
     return m.design.native_hf and not (m.length_temperature or m.sinks or m.ssmax)
 
 
-def _block(m: ModelConfig) -> dict:
+def _residual_and_norm(m: ModelConfig) -> dict:
+    """config.json's residual form and norm eps (GPT-NeoX's field names; the coca_lm config's too)."""
     return {"layer_norm_eps": m.layernorm_eps, "use_parallel_residual": m.parallel_residual}
 
 
@@ -152,7 +189,7 @@ def _remote_config(m: ModelConfig, config: dict) -> dict:
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
             "attention": m.attention, "design_params": params,
             "length_temperature": m.max_seq_len if m.length_temperature else 0, "sinks": m.sinks, "ssmax": m.ssmax,
-            **config, **_block(m),
+            **config, **_residual_and_norm(m),
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
 
@@ -273,8 +310,8 @@ def export_hf(model: GPT, tokenizer: Tokenizer | HFTokenizer, out: str | Path, *
         generation = {**token_ids(tokenizer), "do_sample": False}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if not native(m):
-            for code in REMOTE_CODE:
-                shutil.copyfile(code, tmp / code.name)
+            for name, source in REMOTE_CODE.items():
+                shutil.copyfile(source, tmp / name)
         save_tokenizer(tokenizer, tmp)
         files = sorted([p.name for p in tmp.iterdir()] + [EXPORT_MARKER])
         marker = {"written_by": "python -m train.export_hf", "files": files,

@@ -17,7 +17,9 @@ padded beyond the tokenizer), the RoPE base (`rope_theta` in `rope_parameters` a
 writes it, or at the top level, or GPT-NeoX's `rotary_emb_base`), the RoPE scaling (`default`,
 `linear`, `dynamic`, `yarn` with the fields this project's export writes, Llama 3's `llama3`; YaRN's
 and llama3's `original_max_position_embeddings` is `rope_scaling.original_max_seq_len`), tied embeddings, and
-`max_position_embeddings` as the training length `max_seq_len`. A missing field takes the default
+`max_position_embeddings` as the training length `max_seq_len` (a `coca_lm` export's length
+temperature L0 where it has one). The conversion is `model.hf_layout.model_config`, which the
+exported model runs too. A missing field takes the default
 of transformers' config class for that model type.
 
 Anything else stops with one line naming the field: another model type, a RoPE type this model
@@ -40,31 +42,15 @@ from typing import Any
 import torch
 
 from errors import ConfigError, UserError
-from hf.names import hf_names, llama_hf_names
-from model import DESIGNS, GPT, ModelConfig
-from model.config import RopeScaling
+from model import GPT, ModelConfig
 from model.convert import check_conversion
+from model.hf_layout import hf_names
+from model.hf_layout import model_config as layout_model_config
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-MODEL_TYPES = {"gpt_neox": "GPTNeoXForCausalLM, Pythia", "llama": "LlamaForCausalLM",
-               "coca_lm": "this project's export of a design other than Origin"}
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-# The RoPE fields each type may carry (the ones our RoPE computes, as hf.export writes them).
-_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings"}
-_TYPE_KEYS = {"yarn": {"beta_fast", "beta_slow"}, "llama3": {"low_freq_factor", "high_freq_factor"}}
-# What a type cannot do without, as transformers' validation of `rope_parameters` requires it.
-_TYPE_REQUIRED = {"llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _BUFFERS = re.compile(r"(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")  # not parameters
-# transformers' defaults for fields a config.json may leave out (GPTNeoXConfig, LlamaConfig).
-_DEFAULTS = {
-    "neox": {"hidden_act": "gelu", "layer_norm_eps": 1e-5, "rotary_pct": 0.25, "use_parallel_residual": True,
-             "attention_bias": True},
-    "llama": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rotary_pct": 1.0, "attention_bias": False,
-              "mlp_bias": False},
-}
-_ACTIVATION = {"neox": "gelu", "llama": "silu"}
 
 # What of a run's model config a directory fixes (its weights mean nothing under another value),
 # and what the run may set (the training length and the RoPE recipes of continued pretraining: a
@@ -110,135 +96,20 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _get(config: dict, key: str, kind: type, where: str, default: Any = None) -> Any:
-    """config[key] as a `kind` (an int reads as a float), else `default`; missing without a default,
-    or of another type: refused."""
-    value = config.get(key)
-    if value is None:
-        if default is None:
-            raise HFImportError(f"{where} has no {key}")
-        return default
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise HFImportError(f"{where}: {key}={json.dumps(value)} is not a {kind.__name__}")
-    return value
-
-
-def _refuse(where: str, field: str, value: Any, why: str) -> HFImportError:
-    return HFImportError(f"{where}: {field}={json.dumps(value)} is not supported: {why}")
-
-
-def _rope(config: dict, arch: str, where: str, max_positions: int) -> tuple[float, float, RopeScaling]:
-    """(base, rotary_pct, scaling) from `rope_parameters` (transformers 5) or the older top-level
-    fields (`rope_theta` / `rotary_emb_base`, `rotary_pct`, `rope_scaling`). YaRN's and llama3's
-    `original_max_position_embeddings` is the length they stretch from (`original_max_seq_len`);
-    dynamic NTK scales from `max_position_embeddings` (as transformers does), linear from nothing."""
-    params, legacy = config.get("rope_parameters"), config.get("rope_scaling")
-    scaling, field = (params, "rope_parameters") if params else (legacy or {}, "rope_scaling")
-    if not isinstance(scaling, dict):
-        raise HFImportError(f"{where}: {field}={json.dumps(scaling)} is not a JSON object")
-    params = params or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind not in ROPE_TYPES:
-        raise _refuse(where, f"{field}.rope_type", kind, f"this model computes RoPE as {', '.join(ROPE_TYPES)}")
-    allowed = _ROPE_KEYS | _TYPE_KEYS.get(kind, set())
-    if kind == "yarn" and scaling.get("truncate", True) is True:
-        allowed = allowed | {"truncate"}
-    extra = sorted(k for k, v in scaling.items() if k not in allowed and v is not None)
-    if extra:
-        raise _refuse(where, f"{field}.{extra[0]}", scaling[extra[0]], f"RoPE type {kind} here takes only "
-                      f"{', '.join(sorted(allowed - {'type'}))}")
-    base = params.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base", 10000.0)))
-    pct = params.get("partial_rotary_factor", config.get("rotary_pct", config.get("partial_rotary_factor",
-                                                                                 _DEFAULTS[arch]["rotary_pct"])))
-    for name, value in (("rope_theta", base), ("partial_rotary_factor", pct)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise HFImportError(f"{where}: {name}={json.dumps(value)} is not a number")
-    if kind == "default":
-        return float(base), float(pct), RopeScaling()
-    factor = scaling.get("factor")
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor >= 1.0:
-        raise HFImportError(f"{where}: {field}.factor={json.dumps(factor)} must be a number >= 1 for RoPE type {kind}")
-    missing = [key for key in _TYPE_REQUIRED.get(kind, ()) if scaling.get(key) is None]
-    if missing:
-        raise HFImportError(f"{where}: {field} of RoPE type {kind} lacks {', '.join(missing)} (transformers "
-                            "refuses it too): give them, e.g. Llama 3.1's low_freq_factor 1.0, high_freq_factor 4.0 "
-                            "and the length it was pretrained at")
-    extras: dict[str, Any] = {}
-    if kind in _TYPE_KEYS:
-        extras = {k: float(scaling[k]) for k in _TYPE_KEYS[kind] if scaling.get(k) is not None}
-        original = scaling.get("original_max_position_embeddings")
-        if original is not None and original != max_positions:
-            extras["original_max_seq_len"] = original
-    try:
-        return float(base), float(pct), RopeScaling(kind, float(factor), **extras)
-    except (ValueError, TypeError) as error:
-        raise HFImportError(f"{where}: {field}: {error}") from None
-
-
 def model_config(config: dict[str, Any], where: str = CONFIG) -> ModelConfig:
-    """Our `ModelConfig` for a config.json (see the module docstring for what is read and refused)."""
-    model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
-        known = "; ".join(f"{k} ({v})" for k, v in MODEL_TYPES.items())
-        raise HFImportError(f"{where}: model_type={json.dumps(model_type)} is not supported: one of {known}")
-    arch = {"gpt_neox": "neox", "llama": "llama"}.get(model_type) or config.get("arch", "neox")
-    if arch not in _DEFAULTS:
-        raise _refuse(where, "arch", arch, "one of neox, llama")
-    defaults = _DEFAULTS[arch]
-    attention, design = "origin", {}
-    if model_type == "coca_lm":  # an export from before CoCA's form joined design_params says coca_form
-        attention = config.get("attention", "origin")
-        params = {**({"form": config["coca_form"]} if "coca_form" in config else {}),
-                  **(config.get("design_params") or {})}
-        design = dict(design_params={attention: params} if params else {},
-                      length_temperature=bool(config.get("length_temperature")), sinks=bool(config.get("sinks")),
-                      ssmax=bool(config.get("ssmax")))
-    activation = config.get("hidden_act", defaults["hidden_act"])
-    if activation != _ACTIVATION[arch]:
-        raise _refuse(where, "hidden_act", activation, f"this {arch} model uses {_ACTIVATION[arch]} "
-                      f"({'exact GELU' if arch == 'neox' else 'SwiGLU'})")
-    for key in ("attention_bias", "mlp_bias"):
-        value = config.get(key, defaults.get(key))
-        wanted = arch == "neox" if key == "attention_bias" else False
-        if key in defaults and value is not None and bool(value) != wanted:
-            why = ("GPT-NeoX's attention here has biases" if arch == "neox"
-                   else "Llama's attention and MLP here have no biases")
-            raise _refuse(where, key, value, why)
-    hidden = _get(config, "hidden_size", int, where)
-    heads = _get(config, "num_attention_heads", int, where)
-    if arch == "llama" and config.get("head_dim") not in (None, hidden // max(heads, 1)):
-        raise _refuse(where, "head_dim", config["head_dim"],
-                      f"a head here has hidden_size / num_attention_heads = {hidden}/{heads} dimensions")
-    max_positions = _get(config, "max_position_embeddings", int, where)
-    base, pct, scaling = _rope(config, arch, where, max_positions)
-    if attention in {d.attention for d in DESIGNS.values() if not d.rope}:
-        pct, scaling = 1.0, RopeScaling()  # no RoPE (ALiBi): our default, whatever the config says
-    kv = _get(config, "num_key_value_heads", int, where, heads) if arch == "llama" else heads
-    eps_key = "rms_norm_eps" if arch == "llama" and model_type == "llama" else "layer_norm_eps"
-    eps = _get(config, eps_key, float, where, defaults.get(eps_key, 1e-5))
-    parallel = _get(config, "use_parallel_residual", bool, where, defaults.get("use_parallel_residual", False))
-    sizes = {"vocab_size": _get(config, "vocab_size", int, where),
-             "n_layer": _get(config, "num_hidden_layers", int, where),
-             "ffn_hidden": _get(config, "intermediate_size", int, where)}
+    """Our `ModelConfig` for a config.json (see the module docstring for what is read and refused):
+    `model.hf_layout.model_config`, the conversion the exported model runs too, its refusals as ours."""
     try:
-        return ModelConfig(
-            arch=arch, **sizes, n_head=heads, n_kv_head=None if kv == heads else kv, n_embd=hidden,
-            max_seq_len=max_positions, attention=attention, **design, rotary_pct=pct,
-            rope_base=base,
-            rope_scaling=scaling, parallel_residual=parallel if arch == "neox" else False, layernorm_eps=eps,
-            tie_embeddings=_get(config, "tie_word_embeddings", bool, where, False),
-        )
+        return layout_model_config(config, where)
     except ValueError as error:
-        raise HFImportError(f"{where}: {error}") from None
+        raise HFImportError(str(error)) from None
 
 
 def _our_names(cfg: ModelConfig, present: set[str]) -> dict[str, str]:
     """Our parameter name -> its tensor's name in the directory. GPT-NeoX checkpoints call the LM
     head `embed_out` (transformers renames it on load), as our plain GPT-NeoX exports do; our
     remote-code exports call it `lm_head`."""
-    names = llama_hf_names(cfg) if cfg.arch == "llama" else hf_names(cfg)
+    names = hf_names(cfg)
     if cfg.arch == "neox" and "lm_head.weight" in names and "lm_head.weight" not in present:
         names["lm_head.weight"] = "embed_out.weight"
     return names

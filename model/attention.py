@@ -40,10 +40,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .designs import RopeTables
-from .designs.base import ScoreBias
-from .designs.sinks import sink_gradient, sink_mass, sink_row_gradient, with_sinks
-from .designs.ssmax import ssmax_init, ssmax_scale
+from .designs import (
+    RopeTables,
+    ScoreBias,
+    sink_gradient,
+    sink_mass,
+    sink_row_gradient,
+    ssmax_init,
+    ssmax_scale,
+    with_sinks,
+)
 from .documents import Documents, causal_segments, segment_attention
 from .sequence_parallel import SequenceParallel
 from .sink_attention import sink_attention

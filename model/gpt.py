@@ -22,10 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
-from .designs import Rope, RopeTables
-from .designs.base import ScoreBias
-from .designs.ssmax import key_counts as key_counts_of
-from .designs.temperature import length_temperature
+from .designs import Rope, RopeTables, ScoreBias, length_temperature
+from .designs import key_counts as key_counts_of
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
 from .sampling import check_sampling, next_token

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .designs.sinks import sink_attention_rows, sink_gradient, sink_mass, with_sinks
+from .designs import sink_attention_rows, sink_gradient, sink_mass, with_sinks
 from .documents import Documents, segments
 
 if TYPE_CHECKING:

@@ -68,6 +68,6 @@ def test_the_registry_is_what_the_export_and_benchmarks_list():
     from bench.attention import VARIANTS
     from hf.export import REMOTE_CODE
 
-    assert {p.name for p in REMOTE_CODE} == {"modeling_coca_lm.py"} | {
-        p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+    designs = {p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+    assert designs | {"modeling_coca_lm.py", "gpt.py", "hf_layout.py", "designs.py"} <= set(REMOTE_CODE)
     assert set(BY_LABEL) <= set(VARIANTS)

@@ -24,7 +24,7 @@ import torch
 from data.sources import stdlib_files, stdlib_root
 from data.tasks import make_cases, make_recall_cases
 from data.tokenizer import Tokenizer, config_from_overrides, get_tokenizer
-from hf.export import ExportError, export_hf
+from hf.export import REMOTE_CODE, ExportError, export_hf
 from model import GPT, ModelConfig
 from model.config import RopeScaling
 from model.designs import BY_LABEL
@@ -353,6 +353,59 @@ def test_dynamic_ntk_set_at_load_time_generates_like_ours(design, variant, token
             torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
 
 
+def test_the_remote_code_is_the_models_own_and_exactly_what_its_wrapper_imports(tokenizer, tmp_path):
+    """The export ships the wrapper and the files transformers follows from it (its own
+    `get_relative_import_files`), no more; each is this project's file byte for byte (our decoder,
+    not a copy), imports only torch, the standard library and its siblings (the wrapper also
+    transformers), and the loaded model runs our `GPT`."""
+    import ast
+
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    out = export_hf(random_model(tokenizer, "fox", "llama"), tokenizer, tmp_path / "hf")
+    code = {p.name for p in out.glob("*.py")}
+    followed = {Path(f).name for f in get_relative_import_files(str(out / "modeling_coca_lm.py"))}
+    assert code == set(REMOTE_CODE) == followed | {"modeling_coca_lm.py"}
+    assert {"gpt.py", "attention.py", "hf_layout.py", "designs.py", "fox.py"} <= code
+    for name, source in REMOTE_CODE.items():
+        assert (out / name).read_bytes() == source.read_bytes(), name
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and f"{node.module}.py" in code, f"{name}: from .{node.module}"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                tops = {a.name.split(".")[0] for a in node.names} if isinstance(node, ast.Import) else \
+                    {node.module.split(".")[0]}
+                allowed = {"torch"} | ({"transformers"} if name == "modeling_coca_lm.py" else set())
+                assert tops <= allowed | sys.stdlib_module_names, f"{name}: imports {tops}"
+    assert type(load_hf(out).decoder).__name__ == "GPT"
+
+
+def test_the_remote_code_takes_right_padding_and_refuses_what_it_cannot_compute(tokenizer, tmp_path):
+    """Right padding without a cache leaves the real tokens' logits ours; left padding, a padded
+    batch over a cache, inputs_embeds and positions other than the ones counted are refused in one
+    line (the exported decoder has no per-row positions or key masks)."""
+    model = random_model(tokenizer, "kerple")
+    hf = load_hf(export_hf(model, tokenizer, tmp_path / "hf"))
+    idx = torch.randint(4, tokenizer.vocab_size, (2, 12), generator=torch.Generator().manual_seed(6))
+    right = torch.ones_like(idx)
+    right[1, 9:] = 0
+    with torch.no_grad():
+        want = model(idx)
+        torch.testing.assert_close(hf(idx, attention_mask=right).logits[1, :9], want[1, :9], rtol=0, atol=1e-5)
+        torch.testing.assert_close(hf(idx, attention_mask=torch.ones_like(idx),
+                                      position_ids=torch.arange(12)[None].expand(2, 12)).logits, want,
+                                   rtol=0, atol=1e-5)
+        refusals = [(dict(attention_mask=right.flip(1)), "no left padding"),
+                    (dict(position_ids=torch.arange(1, 13)[None]), "position_ids must count from"),
+                    (dict(input_ids=None, inputs_embeds=torch.zeros(2, 12, 32)), "not inputs_embeds")]
+        for kwargs, needle in refusals:
+            with pytest.raises(ValueError, match=needle) as error:
+                hf(**{"input_ids": idx, **kwargs})
+            assert "\n" not in str(error.value)
+        with pytest.raises(ValueError, match="no padded batch over a cache"):
+            hf.generate(idx, attention_mask=right, max_new_tokens=2, do_sample=False, eos_token_id=None)
+
+
 def test_remote_config_refuses_a_shape_it_cannot_build(tokenizer, tmp_path):
     """The modeling file's config refuses key/value heads that GPT-NeoX's fused qkv cannot have or
     that do not divide the query heads, and an unknown arch."""
@@ -492,11 +545,9 @@ def _compare_outside_this_project(run: Path, out: Path, tmp_path: Path) -> str:
 @pytest.mark.slow
 def test_zero3_export_loads_without_this_project(zero3, tmp_path):
     run, out = zero3
-    package = Path(__file__).parents[1] / "model" / "designs"
-    designs = [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
     assert sorted(p.name for p in out.iterdir()) == sorted([
         "coca_lm_export.json", "config.json", "generation_config.json", "model.safetensors",
-        "modeling_coca_lm.py", "tokenizer.json", "tokenizer_config.json", *designs])
+        "tokenizer.json", "tokenizer_config.json", *REMOTE_CODE])
     assert _compare_outside_this_project(run, out, tmp_path) == "CocaLMForCausalLM"
 
 

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from float64_checks import ARCHS, F64, assert_same_with_gradients, random_gpt, rotate
 
 from model import GPT, ModelConfig
 from model.attention import CausalSelfAttention
@@ -16,31 +17,15 @@ from model.designs import Rope
 from model.documents import Documents, positions
 from model.gpt import KVCache
 
-F64 = torch.float64
 L0 = 16
 GLOBAL_BASE = 50.0  # far from 10000, so that a layer on the wrong tables fails
 W = 5
-ARCHS = {
-    "neox": dict(n_head=2, n_embd=32, rotary_pct=0.5),
-    "llama": dict(arch="llama", parallel_residual=False, n_head=4, n_kv_head=2, n_embd=32),
-}
 
 
 def gemma(nope_every: int = 2, **overrides) -> dict:
     return dict(attention="hybrid", design_params={"hybrid": {
         "nope_every": nope_every, "window": W, "global_layers": "origin", "global_rope_base": GLOBAL_BASE}},
         **overrides)
-
-
-def rotate(x: torch.Tensor, pos: torch.Tensor, r: int, base: float) -> torch.Tensor:
-    """Pair (j, j + r/2) of x turned by pos * base^(-2j/r); dimensions past r kept."""
-    out = x.clone()
-    for j in range(r // 2):
-        theta = base ** (-2 * j / r)
-        c, s = torch.cos(pos.to(F64) * theta), torch.sin(pos.to(F64) * theta)
-        out[..., j] = x[..., j] * c - x[..., j + r // 2] * s
-        out[..., j + r // 2] = x[..., j] * s + x[..., j + r // 2] * c
-    return out
 
 
 @pytest.mark.parametrize("documents", [False, True])
@@ -74,21 +59,11 @@ def test_global_layer_is_rope_at_its_own_base(arch, documents):
     allowed = (n <= m) & (docs[:, None, :, None] == docs[:, None, None, :])
     want = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
     want = layer.proj(want.transpose(1, 2).reshape(B, T, cfg.n_embd))
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
-    weights = torch.randn(out.shape, dtype=F64)
-    inputs = [x, *layer.parameters()]
-    for got, expected in zip(torch.autograd.grad((out * weights).sum(), inputs),
-                             torch.autograd.grad((want * weights).sum(), inputs)):
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert_same_with_gradients(out, want, [x, *layer.parameters()])
 
 
 def gpt(**config) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=64, n_layer=3, n_head=2, n_embd=32, ffn_hidden=64, max_seq_len=L0,
-                            **config)).double()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return model.eval()
+    return random_gpt(L0, **{"n_layer": 3, **config})
 
 
 IDX = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from float64_checks import ARCHS, F64, assert_same_with_gradients, random_gpt, rotate
 
 import model.sink_attention as sink_module
 from model import GPT, ModelConfig
@@ -21,14 +22,9 @@ from model.designs import Rope
 from model.designs.ssmax import ssmax_scale
 from model.documents import Documents, positions
 
-F64 = torch.float64
 BASE = 10000.0
 L0 = 16
 W = 5
-ARCHS = {  # neox rotates half of each head (rotary_pct 0.5); llama: 4 query heads over 2 kv heads
-    "neox": dict(n_head=2, n_embd=32, rotary_pct=0.5),
-    "llama": dict(arch="llama", parallel_residual=False, n_head=4, n_kv_head=2, n_embd=32),
-}
 DESIGNS = {  # (attention, design_params, layer index): the hybrid's layer 0 of 2 is windowed RoPE
     "origin": ("origin", {}, 0),
     "alibi": ("alibi", {}, 0),
@@ -40,17 +36,6 @@ MODIFIERS = {"sinks": dict(sinks=True), "ssmax": dict(ssmax=True), "both": dict(
 
 
 # ---- the definitions, in float64 ------------------------------------------------------------------
-
-
-def rotate(x: torch.Tensor, pos: torch.Tensor, r: int) -> torch.Tensor:
-    """Pair (j, j + r/2) of x [..., T, D] turned by pos * base^(-2j/r); dimensions past r kept."""
-    out = x.clone()
-    for j in range(r // 2):
-        theta = BASE ** (-2 * j / r)
-        c, s = torch.cos(pos.to(F64) * theta), torch.sin(pos.to(F64) * theta)
-        out[..., j] = x[..., j] * c - x[..., j + r // 2] * s
-        out[..., j + r // 2] = x[..., j] * s + x[..., j + r // 2] * c
-    return out
 
 
 def alibi_slopes(h: int) -> torch.Tensor:
@@ -102,14 +87,6 @@ def reference_output(layer: CausalSelfAttention, x: torch.Tensor, pos: torch.Ten
         denominator = denominator + torch.exp(layer.sinks)[:, None, None]
     y = (e / denominator) @ v
     return layer.proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-def assert_same_with_gradients(out: torch.Tensor, want: torch.Tensor, inputs: list[torch.Tensor]) -> None:
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
-    weights = torch.randn(out.shape, dtype=F64)
-    for got, expected in zip(torch.autograd.grad((out * weights).sum(), inputs),
-                             torch.autograd.grad((want * weights).sum(), inputs)):
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
 # ---- the layer against the definitions --------------------------------------------------------------
@@ -217,12 +194,7 @@ def test_ssmax_starts_at_one_over_log_l0_and_sinks_as_gpt_oss():
 
 
 def gpt(attention: str = "origin", **overrides) -> GPT:
-    cfg = dict(vocab_size=64, n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, max_seq_len=L0)
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(**{**cfg, **overrides}, attention=attention)).double()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return model.eval()
+    return random_gpt(L0, attention=attention, **overrides)
 
 
 IDX = torch.randint(0, 64, (2, 3 * L0), generator=torch.Generator().manual_seed(1))

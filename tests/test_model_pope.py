@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from float64_checks import ARCHS, F64, assert_same_with_gradients, random_gpt
 
 from model import GPT, ModelConfig
 from model.attention import CausalSelfAttention
@@ -17,13 +18,8 @@ from model.designs import Rope
 from model.documents import Documents, positions
 from model.gpt import KVCache
 
-F64 = torch.float64
 BASE = 10000.0
 L0 = 16
-ARCHS = {  # neox rotates half of each head (rotary_pct 0.5); llama: 4 query heads over 2 kv heads
-    "neox": dict(n_head=2, n_embd=32, rotary_pct=0.5),
-    "llama": dict(arch="llama", parallel_residual=False, n_head=4, n_kv_head=2, n_embd=32),
-}
 MODIFIERS = {"plain": {}, "sinks+ssmax": dict(sinks=True, ssmax=True),
              "phase-bias": dict(design_params={"pope": {"phase_bias": True}})}
 
@@ -92,12 +88,7 @@ def test_layer_output_and_gradients_match_the_definition(modifiers, arch, docume
     out = layer(x, (cos[:, None], sin[:, None]), documents=Documents(docs, documents) if documents else None,
                 key_counts=positions(docs) + 1)
     want = reference_output(layer, x, pos, docs, cfg.rotary_dims)
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
-    weights = torch.randn(out.shape, dtype=F64)
-    inputs = [x, *layer.parameters()]
-    for got, expected in zip(torch.autograd.grad((out * weights).sum(), inputs),
-                             torch.autograd.grad((want * weights).sum(), inputs)):
-        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert_same_with_gradients(out, want, [x, *layer.parameters()])
 
 
 def test_phase_is_the_positions_alone():
@@ -120,12 +111,7 @@ def test_phase_is_the_positions_alone():
 
 
 def gpt(attention: str = "pope", **overrides) -> GPT:
-    cfg = dict(vocab_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=64, max_seq_len=L0)
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(**{**cfg, **overrides}, attention=attention)).double()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return model.eval()
+    return random_gpt(L0, **{"n_head": 4, **overrides}, attention=attention)
 
 
 IDX = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))

@@ -60,16 +60,14 @@ BIAS_CHUNK = 128
 # The additive-mask kernel's tile (`_AdditiveBiasAttention`, KERPLE and FIRE): query rows per chunk of
 # its backward and keys per tile of both passes, so that its [H, rows, keys] tensors (bias,
 # probabilities, score gradient) stay a few MiB at any length and its matmuls are 128 rows deep.
-# bench.attention, H=8, fp32, idle: over whole rows in 32-row chunks FIRE took 1.86x Origin's time at
-# 4K (1.6x ALiBi's); in 128 x 512 tiles 1.5x ALiBi's at 8K, 1.4x at 2K. 1024-key tiles cost about
-# the same time and lift the 2K peaks (KERPLE 1.00x -> 1.18x Origin's, FIRE 1.11x -> 1.28x).
+# Chosen with `python -m bench.attention` (README, Benchmarks): whole rows in smaller chunks took
+# clearly more time, 1024-key tiles the same time with higher peaks at 2K.
 SCORE_ROWS = 128
 SCORE_KEYS = 512
 # Keys per block in the fused bias kernel's backward (`_KeyBiasAttention`, ALiBi and FoX): a block's
-# extended k and v and its key gradients per call are [B, H, keys, D + 1]; bench.attention, H=8, fp32:
-# ALiBi's 8K peak 1.20x Origin's with the earlier keys in one call, 1.11x in blocks of 2048, 1.07x of
-# 1024 (and ~10% less time); with the extended copies per block, not of the whole k and v: 0.89x at
-# 8K, 1.19x -> 1.02x at 2K, the same time.
+# extended k and v and its key gradients per call are [B, H, keys, D + 1]. Chosen with
+# `python -m bench.attention`: blocks of 1024 keys, with the extended copies made per block, gave a
+# lower 8K peak than one call over all earlier keys or blocks of 2048, in no more time.
 BACKWARD_KEYS = 1024
 
 

@@ -17,9 +17,10 @@ Computed in log space, in float32 or wider: since beta / (1 - beta) = e^z,
 so each score needs one softplus and one cumulative sum along its row, taken over the keys in
 reverse order (k and v are flipped once per call: each chunk's keys are then a slice whose
 running sum is the suffix sum). log rem_i is the row's whole sum, so rem >= 0 exactly. Query rows
-go in chunks of `CHUNK`, each against the keys before its last row (O(chunk x T) memory); with
-gradients each chunk is recomputed in backward (`torch.utils.checkpoint`), so what is kept is
-q, k, v and the outputs: O(T) beside one chunk.
+go in chunks of `CHUNK`, each against the keys before its last row (O(chunk x T) memory); backward
+recomputes each chunk's weights (`_StickBreaking`: as a per-chunk checkpoint would, without its
+second forward's autograd graph or a whole-length gradient per key slice), so what is kept is q, k
+and v: O(T) beside one chunk.
 """
 
 from __future__ import annotations
@@ -29,31 +30,84 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .base import Design
 
 CHUNK = 64  # query rows per chunk: its scores are [B, H, CHUNK, keys]
 
 
-def _rows(q: torch.Tensor, k_rev: torch.Tensor, v_rev: torch.Tensor, rows: int,
-          same: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: q [B, Hkv, G * rows, D] (scaled by 1 / sqrt(D)) over keys given in reverse order,
-    k_rev, v_rev [B, Hkv, N, D], column c the key c places before the chunk's last row (so row r may
-    see columns c >= rows - 1 - r); same [B, rows, N] whether a key is in the row's document (None:
-    all are). -> (sum_j A_ij v_j [B, Hkv, G * rows, D], log rem [B, Hkv, G * rows])."""
-    B, Hkv, GR, D = q.shape
+def _allowed(rows: int, keys: int, same: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Which (row, key) pairs of a chunk count, the keys in reverse order (column c is the key c
+    places before the chunk's last row, so row r sees columns c >= rows - 1 - r); same [B, rows, N]:
+    whether a key is in the row's document (None: all are). -> [rows, N] or [B, 1, 1, rows, N]."""
+    r = torch.arange(rows, device=device)
+    allowed = torch.arange(keys, device=device)[None, :] >= (rows - 1 - r)[:, None]
+    return allowed if same is None else allowed & same[:, None, None]
+
+
+def _weights(q: torch.Tensor, k_rev: torch.Tensor, rows: int,
+             allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's scores z, weights A (0 where not allowed) [B, Hkv, G * rows, N] and log rem
+    [B, Hkv, G * rows], for q [B, Hkv, G * rows, D] (scaled by 1 / sqrt(D)) over k_rev [B, Hkv, N, D]."""
+    B, Hkv, GR, _ = q.shape
     N = k_rev.shape[-2]
-    z = (q @ k_rev.transpose(-1, -2)).view(B, Hkv, GR // rows, rows, N)
-    r = torch.arange(rows, device=q.device)
-    allowed = torch.arange(N, device=q.device)[None, :] >= (rows - 1 - r)[:, None]  # [rows, N]
-    if same is not None:
-        allowed = allowed & same[:, None, None]  # [B, 1, 1, rows, N]
-    log_keep = (-F.softplus(z)).masked_fill(~allowed, 0.0)  # log(1 - beta); absent keys: log 1
-    suffix = log_keep.cumsum(-1)  # sum_{j<=k<i} log(1 - beta_ik)
-    weights = (z + suffix).masked_fill(~allowed, -math.inf).exp()
-    out = weights.view(B, Hkv, GR, N) @ v_rev
-    return out, suffix[..., -1].reshape(B, Hkv, GR)
+    z = q @ k_rev.transpose(-1, -2)
+    weights = F.softplus(z).neg_()  # log(1 - beta)
+    masked = weights.view(B, Hkv, GR // rows, rows, N).masked_fill_(~allowed, 0.0)  # absent keys: log 1
+    masked.cumsum_(-1)  # sum_{j<=k<i} log(1 - beta_ik)
+    log_rem = weights[..., -1].clone()
+    weights.add_(z)  # log A = z + that
+    # A = 0 where not allowed and where exp underflows (below log of the dtype's smallest normal: CPU
+    # exp takes a slow path for such inputs, -inf included, 6x the whole kernel's softplus at 2K)
+    dead = masked.masked_fill_(~allowed, -math.inf) < math.log(torch.finfo(z.dtype).tiny)
+    masked.masked_fill_(dead, 0.0).exp_().masked_fill_(dead, 0.0)
+    return z, weights, log_rem
+
+
+class _StickBreaking(torch.autograd.Function):
+    """The chunked kernel with its own backward: forward keeps q, k, v (and the chunk plan) only;
+    backward recomputes each chunk's z and A and takes, with dL = A * (dO . v),
+
+        dz = dL - sigmoid(z) (sum_{k >= j} dL_k + d log rem),   masked,
+
+    (the suffix sum over keys at or before j's column: log A_j and log rem sum log(1 - beta_k) over
+    them), then dq = dz k, dk = dz^T q, dv = A^T dO, accumulated per key slice in place: memory is
+    one chunk's [B, H, rows, keys] tensors beside q, k, v and their gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k_rev, v_rev, plan):
+        B, Hkv, G, Tq, D = q.shape
+        out, log_rem = q.new_zeros(B, Hkv, G, Tq, D), q.new_zeros(B, Hkv, G, Tq)
+        for s, rows, keys, same in plan:
+            q_rows = q[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
+            _, weights, rem = _weights(q_rows, k_rev[..., keys, :], rows,
+                                       _allowed(rows, keys.stop - keys.start, same, q.device))
+            out[..., s : s + rows, :] = (weights @ v_rev[..., keys, :]).view(B, Hkv, G, rows, D)
+            log_rem[..., s : s + rows] = rem.view(B, Hkv, G, rows)
+        ctx.save_for_backward(q, k_rev, v_rev)
+        ctx.plan = plan
+        return out, log_rem
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_log_rem):
+        q, k_rev, v_rev = ctx.saved_tensors
+        B, Hkv, G, Tq, D = q.shape
+        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k_rev), torch.zeros_like(v_rev)
+        for s, rows, keys, same in ctx.plan:
+            allowed = _allowed(rows, keys.stop - keys.start, same, q.device)
+            q_rows = q[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
+            z, weights, _ = _weights(q_rows, k_rev[..., keys, :], rows, allowed)
+            grad_rows = grad_out[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
+            grad_v[..., keys, :] += weights.transpose(-1, -2) @ grad_rows
+            grad_log = (grad_rows @ v_rev[..., keys, :].transpose(-1, -2)).mul_(weights)  # dL
+            del weights
+            suffix = grad_log.cumsum(-1).neg_().add_(grad_log.sum(-1, keepdim=True)).add_(grad_log)
+            suffix.add_(grad_log_rem[..., s : s + rows].reshape(B, Hkv, G * rows, 1)).mul_(z.sigmoid_())
+            grad_z = grad_log.sub_(suffix)
+            grad_z.view(B, Hkv, G, rows, -1).masked_fill_(~allowed, 0.0)
+            grad_q[..., s : s + rows, :] = (grad_z @ k_rev[..., keys, :]).view(B, Hkv, G, rows, D)
+            grad_k[..., keys, :] += grad_z.transpose(-1, -2) @ q_rows
+        return grad_q, grad_k, grad_v, None
 
 
 def stick_breaking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -80,26 +134,20 @@ def stick_breaking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         first[:, 1:] = documents[:, 1:] != documents[:, :-1]
         starts = torch.where(first, index, 0).cummax(-1).values
         ids_rev = documents.flip(-1)
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k_rev, v_rev))
-    outs, log_rems = [], []
+    plan = []  # per chunk of query rows that sees a key: (first row, rows, its keys in k_rev, documents)
     for s in range(0, Tq, CHUNK):
         rows = min(Tq, s + CHUNK) - s
         last = offset + s + rows - 1  # the chunk's last row's position: its keys are 0..last-1
         lo = 0 if starts is None else int(starts[:, offset + s].min())
-        if last <= lo:  # no row of the chunk sees a key
-            outs.append(q.new_zeros(B, Hkv, G, rows, D))
-            log_rems.append(q.new_zeros(B, Hkv, G, rows))
+        if last <= lo:  # no row of the chunk sees a key: output 0, log rem 0
             continue
         keys = slice(Tk - last, Tk - lo)
-        q_rows = q[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
         same = None
         if documents is not None:
             same = documents[:, offset + s : offset + s + rows, None] == ids_rev[:, None, keys]
-        args = (q_rows, k_rev[..., keys, :], v_rev[..., keys, :], rows, same)
-        out, log_rem = checkpoint(_rows, *args, use_reentrant=False) if grad else _rows(*args)
-        outs.append(out.view(B, Hkv, G, rows, D))
-        log_rems.append(log_rem.view(B, Hkv, G, rows))
-    return torch.cat(outs, -2).view(B, H, Tq, D), torch.cat(log_rems, -1).view(B, H, Tq)
+        plan.append((s, rows, keys, same))
+    out, log_rem = _StickBreaking.apply(q, k_rev, v_rev, plan)
+    return out.view(B, H, Tq, D), log_rem.view(B, H, Tq)
 
 
 class StickBreaking(nn.Module):

@@ -46,7 +46,7 @@ WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 RELEASED = "coca-released"  # the released CoCA code's formulation (below), on CoCA slack's layer
 MODIFIERS = ("sinks", "ssmax")  # `model.sinks`, `model.ssmax`: a variant `<label>+<modifier>`
 VARIANTS = (*BY_LABEL, RELEASED)
-MODIFIED = tuple(f"{label}+{modifier}" for label in BY_LABEL for modifier in MODIFIERS)
+MODIFIED = tuple(f"{label}+{modifier}" for label, d in BY_LABEL.items() if d.softmax for modifier in MODIFIERS)
 
 
 def released_coca(q, t, v, rope: RopeTables) -> torch.Tensor:

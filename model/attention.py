@@ -701,6 +701,8 @@ class CausalSelfAttention(nn.Module):
         self.score_bias = self.design.bias(cfg.n_head, cfg.n_embd) if self.design.bias else None
         transform = self.design.transform  # a q/k transform with parameters (PoPE's phase bias)
         self.qk_transform = transform(cfg.params, cfg.n_head, cfg.rope_width()) if transform else None
+        # a design's own attention in place of softmax, with its parameters (stick-breaking's `head_bias`)
+        self.attend = self.design.attend(cfg.n_head, cfg.head_dim) if self.design.attend else None
         # the softmax modifiers (`model.designs.sinks`, `model.designs.ssmax`): per-head parameters [H]
         self.sinks = nn.Parameter(torch.empty(cfg.n_head).normal_(0.0, cfg.init_std)) if cfg.sinks else None
         self.ssmax = nn.Parameter(torch.full((cfg.n_head,), ssmax_init(cfg.max_seq_len))) if cfg.ssmax else None
@@ -748,13 +750,17 @@ class CausalSelfAttention(nn.Module):
             q, k, v, terms, heads = sp.attention_inputs(q, k, v, terms, self.n_head)
         bias = None if score_bias is None else LayerBias(score_bias, terms, heads=heads)
         if capture is not None:
+            if self.attend is not None:
+                raise ValueError(f"capture_qk gives the inputs of softmax attention; {self.design.name} has none")
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
             sinks = None if self.sinks is None else self.sinks[heads].detach()
             capture.append(AttentionInputs(q, k_eff, bias, self.design.window, sinks))
         width = v.shape[-1]
         if q.shape[-1] != width:  # q_eff wider than v (PoPE's): v zero-padded, the fused kernels want one size
             v = F.pad(v, (0, q.shape[-1] - width))
-        if self.sinks is None:
+        if self.attend is not None:
+            y = self.attend(q, k, v, None if documents is None else documents.ids, heads)
+        elif self.sinks is None:
             y = causal_attention(q, k, v, bias, documents, self.design.window, self.kernel)
         else:
             y = sink_attention(q, k, v, self.sinks[heads], bias, documents, self.design.window,

@@ -262,6 +262,10 @@ class ModelConfig:
             raise ValueError("model.length_temperature=true needs model.max_seq_len >= 2 (it divides by log(L0))")
         if self.ssmax and self.max_seq_len < 2:
             raise ValueError("model.ssmax=true needs model.max_seq_len >= 2 (s starts at 1 / log(L0))")
+        modifiers = [f"model.{name}=true" for name in ("sinks", "ssmax", "length_temperature") if getattr(self, name)]
+        if modifiers and not self.design.softmax:
+            raise ValueError(f"{', '.join(modifiers)} with model.attention={self.attention}: {self.design.name} "
+                             "attention has no softmax for it to modify")
         if self.init_std <= 0 or self.layernorm_eps <= 0:
             raise ValueError("model.init_std and model.layernorm_eps must be > 0")
 

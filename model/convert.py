@@ -92,12 +92,13 @@ def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelCo
 
 def _fresh_layer_parameters(state: dict[str, torch.Tensor], target: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Each attention layer's parameters the target has and `state` lacks (a softmax modifier's,
-    a q/k transform's: PoPE's phase bias), as a new attention layer of `target` initialises them,
+    a q/k transform's: PoPE's phase bias; a design's own attention's: stick-breaking's head bias),
+    as a new attention layer of `target` initialises them,
     drawn from `seed`."""
     from .attention import CausalSelfAttention
 
     fresh = {}
-    if not (target.sinks or target.ssmax or target.design.transform):
+    if not (target.sinks or target.ssmax or target.design.transform or target.design.attend):
         return fresh
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -163,6 +163,11 @@ class Design:
       attention share it); None: it has none.
     for_layer: (params, layer index, n_layer) -> the Design layer `index` runs (a parametrised
       transform, another design in some layers, a window); None: this record in every layer.
+    attend: (n_head, head_dim) -> a layer's module that replaces softmax attention altogether
+      (the layer's `attend`, called as attend(q_eff, k_eff, v, document ids [B, Tk] or None, query
+      heads served) -> [B, H, Tq, D], with parameters of its own: stick-breaking's); None: softmax
+      on the shared kernels. Such a design has no softmax for sinks, SSMax or the length
+      temperature to modify (`softmax`).
     """
 
     key: str
@@ -184,6 +189,12 @@ class Design:
     transform: Optional[Callable[[Any, int, int], Optional[nn.Module]]] = None
     params: Optional[type] = None
     for_layer: Optional[Callable[[Any, int, int], Design]] = None
+    attend: Optional[Callable[[int, int], nn.Module]] = None
+
+    @property
+    def softmax(self) -> bool:
+        """Whether the design's attention is a softmax over scores (every design but one with `attend`)."""
+        return self.attend is None
 
     def settings(self) -> dict[str, Any]:
         """The model-config fields that select this design (`ModelConfig(**settings())`), e.g.

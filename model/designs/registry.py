@@ -20,9 +20,10 @@ from .nope import NOPE
 from .origin import ORIGIN
 from .pope import POPE
 from .prope import PROPE
+from .stick_breaking import STICK_BREAKING
 
 _LISTED: tuple[Design, ...] = (ORIGIN, ALIBI, COCA_SLACK, COCA_STRICT, NOPE, PROPE, HYBRID, KERPLE, FIRE, FOX,
-                               POPE)
+                               POPE, STICK_BREAKING)
 DESIGNS: dict[str, Design] = {d.key: d for d in _LISTED}
 ATTENTIONS: tuple[str, ...] = tuple(dict.fromkeys(d.attention for d in DESIGNS.values()))  # model.attention
 BY_LABEL: dict[str, Design] = {d.label: d for d in DESIGNS.values()}

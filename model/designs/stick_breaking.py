@@ -1,0 +1,176 @@
+"""Stick-breaking attention (Tan et al., ICLR 2025, arXiv 2410.17980): no softmax and no position
+encoding; each query breaks a stick from its nearest earlier key backwards. For query i and key j < i,
+
+    z_ij = q_i . k_j / sqrt(D),   beta_ij = sigmoid(z_ij),   A_ij = beta_ij prod_{j<k<i} (1 - beta_ik)
+
+    o_i = sum_{j<i} A_ij v_j + rem_i b_h,   rem_i = 1 - sum_j A_ij = prod_{j<i} (1 - beta_ij)
+
+with b_h [D] a learned vector per head (zeros at initialisation): the stick left over goes to it.
+Strictly causal as the reference's default (`attend_current=False`): a query does not attend to
+its own key, so the first token's output is b_h. Under document masking a key of another document
+counts as absent (beta = 0: no weight, and no factor in the product).
+
+Computed in log space, in float32 or wider: since beta / (1 - beta) = e^z,
+
+    log A_ij = z_ij + sum_{j<=k<i} log(1 - beta_ik),   log(1 - beta) = -softplus(z),
+
+so each score needs one softplus and one cumulative sum along its row, taken over the keys in
+reverse order (k and v are flipped once per call: each chunk's keys are then a slice whose
+running sum is the suffix sum). log rem_i is the row's whole sum, so rem >= 0 exactly. Query rows
+go in chunks of `CHUNK`, each against the keys before its last row (O(chunk x T) memory); backward
+recomputes each chunk's weights (`_StickBreaking`: as a per-chunk checkpoint would, without its
+second forward's autograd graph or a whole-length gradient per key slice), so what is kept is q, k
+and v: O(T) beside one chunk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .base import Design
+
+CHUNK = 64  # query rows per chunk: its scores are [B, H, CHUNK, keys]
+
+
+def _allowed(rows: int, keys: int, same: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Which (row, key) pairs of a chunk count, the keys in reverse order (column c is the key c
+    places before the chunk's last row, so row r sees columns c >= rows - 1 - r); same [B, rows, N]:
+    whether a key is in the row's document (None: all are). -> [rows, N] or [B, 1, 1, rows, N]."""
+    r = torch.arange(rows, device=device)
+    allowed = torch.arange(keys, device=device)[None, :] >= (rows - 1 - r)[:, None]
+    return allowed if same is None else allowed & same[:, None, None]
+
+
+def _weights(q: torch.Tensor, k_rev: torch.Tensor, rows: int,
+             allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's scores z, weights A (0 where not allowed) [B, Hkv, G * rows, N] and log rem
+    [B, Hkv, G * rows], for q [B, Hkv, G * rows, D] (scaled by 1 / sqrt(D)) over k_rev [B, Hkv, N, D]."""
+    B, Hkv, GR, _ = q.shape
+    N = k_rev.shape[-2]
+    z = q @ k_rev.transpose(-1, -2)
+    weights = F.softplus(z).neg_()  # log(1 - beta)
+    masked = weights.view(B, Hkv, GR // rows, rows, N).masked_fill_(~allowed, 0.0)  # absent keys: log 1
+    masked.cumsum_(-1)  # sum_{j<=k<i} log(1 - beta_ik)
+    log_rem = weights[..., -1].clone()
+    weights.add_(z)  # log A = z + that
+    # A = 0 where not allowed and where exp underflows (below log of the dtype's smallest normal: CPU
+    # exp takes a slow path for such inputs, -inf included, 6x the whole kernel's softplus at 2K)
+    dead = masked.masked_fill_(~allowed, -math.inf) < math.log(torch.finfo(z.dtype).tiny)
+    masked.masked_fill_(dead, 0.0).exp_().masked_fill_(dead, 0.0)
+    return z, weights, log_rem
+
+
+class _StickBreaking(torch.autograd.Function):
+    """The chunked kernel with its own backward: forward keeps q, k, v (and the chunk plan) only;
+    backward recomputes each chunk's z and A and takes, with dL = A * (dO . v),
+
+        dz = dL - sigmoid(z) (sum_{k >= j} dL_k + d log rem),   masked,
+
+    (the suffix sum over keys at or before j's column: log A_j and log rem sum log(1 - beta_k) over
+    them), then dq = dz k, dk = dz^T q, dv = A^T dO, accumulated per key slice in place: memory is
+    one chunk's [B, H, rows, keys] tensors beside q, k, v and their gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k_rev, v_rev, plan):
+        B, Hkv, G, Tq, D = q.shape
+        out, log_rem = q.new_zeros(B, Hkv, G, Tq, D), q.new_zeros(B, Hkv, G, Tq)
+        for s, rows, keys, same in plan:
+            q_rows = q[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
+            _, weights, rem = _weights(q_rows, k_rev[..., keys, :], rows,
+                                       _allowed(rows, keys.stop - keys.start, same, q.device))
+            out[..., s : s + rows, :] = (weights @ v_rev[..., keys, :]).view(B, Hkv, G, rows, D)
+            log_rem[..., s : s + rows] = rem.view(B, Hkv, G, rows)
+        ctx.save_for_backward(q, k_rev, v_rev)
+        ctx.plan = plan
+        return out, log_rem
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_log_rem):
+        q, k_rev, v_rev = ctx.saved_tensors
+        B, Hkv, G, Tq, D = q.shape
+        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k_rev), torch.zeros_like(v_rev)
+        for s, rows, keys, same in ctx.plan:
+            allowed = _allowed(rows, keys.stop - keys.start, same, q.device)
+            q_rows = q[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
+            z, weights, _ = _weights(q_rows, k_rev[..., keys, :], rows, allowed)
+            grad_rows = grad_out[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
+            grad_v[..., keys, :] += weights.transpose(-1, -2) @ grad_rows
+            grad_log = (grad_rows @ v_rev[..., keys, :].transpose(-1, -2)).mul_(weights)  # dL
+            del weights
+            suffix = grad_log.cumsum(-1).neg_().add_(grad_log.sum(-1, keepdim=True)).add_(grad_log)
+            suffix.add_(grad_log_rem[..., s : s + rows].reshape(B, Hkv, G * rows, 1)).mul_(z.sigmoid_())
+            grad_z = grad_log.sub_(suffix)
+            grad_z.view(B, Hkv, G, rows, -1).masked_fill_(~allowed, 0.0)
+            grad_q[..., s : s + rows, :] = (grad_z @ k_rev[..., keys, :]).view(B, Hkv, G, rows, D)
+            grad_k[..., keys, :] += grad_z.transpose(-1, -2) @ q_rows
+        return grad_q, grad_k, grad_v, None
+
+
+def stick_breaking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_{j<i} A_ij v_j, log rem_i) of the module docstring: q [B, H, Tq, D], the last Tq of the
+    Tk positions of k, v [B, Hkv, Tk, D] (a KV cache's), query head h reading kv head h // (H / Hkv);
+    documents [B, Tk]: each position's document id, non-decreasing (None: one document). Returns
+    [B, H, Tq, D] and [B, H, Tq] in float32 or q's wider dtype."""
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[-2]
+    if H % Hkv or Tq > Tk:
+        raise ValueError(f"stick-breaking attention needs kv heads dividing the query heads and no more "
+                         f"queries than keys; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if documents is not None and documents.shape != (B, Tk):
+        raise ValueError(f"documents must be [B, Tk] = {(B, Tk)}; got {tuple(documents.shape)}")
+    wide = torch.promote_types(q.dtype, torch.float32)
+    G, offset = H // Hkv, Tk - Tq
+    q = (q.to(wide) / math.sqrt(D)).view(B, Hkv, G, Tq, D)
+    k_rev, v_rev = k.to(wide).flip(-2), v.to(wide).flip(-2)  # key n at index Tk - 1 - n
+    starts = None
+    if documents is not None:  # each position's document start: keys before a chunk's earliest are absent
+        index = torch.arange(Tk, device=documents.device).expand(B, Tk)
+        first = torch.ones_like(documents, dtype=torch.bool)
+        first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+        starts = torch.where(first, index, 0).cummax(-1).values
+        ids_rev = documents.flip(-1)
+    plan = []  # per chunk of query rows that sees a key: (first row, rows, its keys in k_rev, documents)
+    for s in range(0, Tq, CHUNK):
+        rows = min(Tq, s + CHUNK) - s
+        last = offset + s + rows - 1  # the chunk's last row's position: its keys are 0..last-1
+        lo = 0 if starts is None else int(starts[:, offset + s].min())
+        if last <= lo:  # no row of the chunk sees a key: output 0, log rem 0
+            continue
+        keys = slice(Tk - last, Tk - lo)
+        same = None
+        if documents is not None:
+            same = documents[:, offset + s : offset + s + rows, None] == ids_rev[:, None, keys]
+        plan.append((s, rows, keys, same))
+    out, log_rem = _StickBreaking.apply(q, k_rev, v_rev, plan)
+    return out.view(B, H, Tq, D), log_rem.view(B, H, Tq)
+
+
+class StickBreaking(nn.Module):
+    """A layer's stick-breaking attention, with the learned per-head vector b_h [H, D] that the
+    remainder of each query's stick multiplies (`head_bias`, zeros at initialisation: IBM
+    dolomite-engine's `SBAttention.head_bias`)."""
+
+    def __init__(self, n_head: int, head_dim: int):
+        super().__init__()
+        self.head_bias = nn.Parameter(torch.zeros(n_head, head_dim))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                heads: slice = slice(None)) -> torch.Tensor:
+        """o_i [B, H, Tq, D] in q's dtype (`stick_breaking`'s arguments); `heads`: the query heads
+        served (all of them, or one rank's share under sequence parallelism)."""
+        out, log_rem = stick_breaking(q, k, v, documents)
+        bias = self.head_bias[heads].to(out.dtype)[:, None, :]  # [H, 1, D]
+        return (out + log_rem.exp()[..., None] * bias).to(q.dtype)
+
+
+STICK_BREAKING = Design(
+    key="stick_breaking", attention="stick_breaking", label="stick-breaking", name="Stick-breaking",
+    colour="#843c39",
+    summary="no softmax, no position encoding: sigmoid stick-breaking from the nearest earlier key back",
+    rope=False, from_origin="keep", attend=StickBreaking,
+)

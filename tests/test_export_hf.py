@@ -234,16 +234,8 @@ def _check_rope(config, model: GPT) -> None:
     assert config.max_position_embeddings == (train_len if s.type == "dynamic" else model.cfg.max_seq_len)
 
 
-# Designs whose attention is not softmax (`Design.attend`: stick-breaking's): the remote-code model
-# still runs softmax attention, so their export loads but computes something else (issue 48: the
-# export is being rewritten to ship model/'s code; this mark goes when it runs the layer's own).
-NOT_SOFTMAX = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                reason="the remote-code model runs softmax attention only")
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("design", [pytest.param(label, marks=[] if d.softmax else NOT_SOFTMAX)
-                                    for label, d in BY_LABEL.items()])
+@pytest.mark.parametrize("design", list(DESIGNS))
 def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
     """Each RoPE scaling the exporter carries (set on our model, as its `rope_scaling=` does) comes
     back in the loaded config and gives our logits at 1x and 8x the training length, where it

@@ -30,6 +30,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import product
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -363,6 +364,8 @@ def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, referen
           length: int, train_len: int) -> list[Path]:
     resamples = family.resamples if family else BOOTSTRAP_RESAMPLES
     out.mkdir(parents=True, exist_ok=True)
+    order = attrgetter("design", "dose", "seed")  # the report does not depend on the order runs are given in
+    runs, reference = sorted(runs, key=order), sorted(reference, key=order)
     rows = summary(runs, resamples)
     written = [write_csv(out / "dose_values.csv", value_rows(runs)), write_csv(out / "dose_summary.csv", rows),
                write_csv(out / "dose_cost.csv", cost_rows(runs))]

@@ -105,7 +105,9 @@ def test_results_doc_quotes_the_family_tables_of_the_published_reports():
 
 def test_published_dose_report_regenerates_from_the_committed_runs(tmp_path):
     """docs/results/dose/*: `python -m eval.dose` over the published `<design>_d<steps>_s<seed>`
-    runs writes the committed tables and report byte for byte (the figure aside)."""
+    runs writes the committed tables and report byte for byte (the figure aside): the pilot's
+    without a family, the study's (docs/results/dose itself) with its registration and the
+    perplexity study's cosine runs of its designs as reference, as launch/reproduce_dose.sh writes it."""
     from eval import dose
 
     reports = sorted(RESULTS.joinpath("dose").glob("**/dose_report.md"))
@@ -113,8 +115,15 @@ def test_published_dose_report_regenerates_from_the_committed_runs(tmp_path):
     for published in reports:
         folder = published.parent
         runs = [dose.load_run(p) for p in sorted(folder.glob("*_d*_s*")) if p.is_dir()]
+        family, reference = None, []
+        if folder == RESULTS / "dose":
+            family = dose.load_family(REPO / "conf" / "study" / "dose.yaml")
+            designs = {r.design for r in runs}
+            reference = [r for r in (dose.load_run(p, dose.REFERENCE_NAME)
+                                     for p in sorted(RESULTS.joinpath("perplexity").glob("*_s*"))
+                                     if re.fullmatch(r"(origin|coca|alibi|fire)_s\d+", p.name)) if r.design in designs]
         out = tmp_path / folder.name
-        dose.write(runs, out, None, [], 4096, 256)  # the pilot has no family; the study will pass its own
+        dose.write(runs, out, family, reference, 4096, 256)
         pyplot.close("all")
         for file in sorted(folder.glob("dose_*")):
             if file.suffix != ".png":

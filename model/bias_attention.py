@@ -77,7 +77,6 @@ class LayerBias:
         return values[0] if values.dim() == 4 else values
 
 
-
 def _needs_backward(bias: LayerBias, *xs: torch.Tensor) -> bool:
     tensors = [*xs, *bias.module.parameters(), *([bias.terms] if bias.terms is not None else [])]
     return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
@@ -110,7 +109,6 @@ def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
         if bias.terms is None:
             return _AdditiveBiasAttention.apply(q, k, v, bias, None, *bias.module.tensors(bias.heads, q.device))
     return _chunked_bias(q, k, v, bias)
-
 
 
 def _extended(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -83,6 +83,7 @@ def _flex_bias(q, k, v, bias: LayerBias, documents: Documents | None = None) -> 
 
 @functools.lru_cache(maxsize=32)
 def _window_block_mask(length: int, window: int, device: str):
+    """The block mask of a sliding window (cached: one per length, window and device)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, m, n):

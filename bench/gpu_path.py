@@ -4,7 +4,7 @@
     python -m bench.gpu_path --designs alibi fox      # some designs
     python -m bench.gpu_path --flex alibi fox         # also compiled FlexAttention vs the CPU kernels (a compile each)
 
-`model.kernel=flex` makes `model.attention.takes_gpu_path` true for CPU tensors, so the model runs
+`model.kernel=flex` makes `model.kernel_path.takes_gpu_path` true for CPU tensors, so the model runs
 the code it runs on a GPU (FlexAttention with block masks and score modifications, SDPA, the
 chunked bias path) on the CPU. `CudaOpCheck` records every aten op that code dispatches and names
 each one that has no CUDA kernel: what would crash on a GPU (the CPU flash kernel called directly,
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-import model.attention as attention
+import model.kernel_path as kernel_path
 from model import GPT, KVCache
 from model.config import ModelConfig
 from model.denormals import flush_denormals
@@ -172,15 +172,22 @@ def eager_flex(checked: CudaOpCheck | None = None) -> Iterator[None]:
             checked.seen.add("flex_attention")
         return out
 
-    refuse, original = flex._validate_device, attention.run_flex
+    # `run_flex` in each module of `model` that calls it: a `from .kernel_path import` binds its own name
+    original = kernel_path.run_flex
+    holders = [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "model"
+               and getattr(m, "run_flex", None) is original]
+    refuse = flex._validate_device
     flex._validate_device = lambda *tensors: None
-    attention.run_flex = run
+    for holder in holders:
+        holder.run_flex = run
     try:
         with warnings.catch_warnings():  # "called without torch.compile": the point here
             warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
             yield
     finally:
-        flex._validate_device, attention.run_flex = refuse, original
+        flex._validate_device = refuse
+        for holder in holders:
+            holder.run_flex = original
 
 
 # ---- the sweep ---------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ class ScoreBias(Protocol):
 class AttentionInputs(Protocol):
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D]
-    bias: ScoreBias | None  # the design's score bias (`model.attention.LayerBias`), or None
+    bias: ScoreBias | None  # the design's score bias (`model.bias_attention.LayerBias`), or None
     window: int  # a sliding window's keys: only m - n < window are scores (0: every n <= m)
     sinks: torch.Tensor | None  # attention sinks' logits a_h [H], in each softmax's denominator, or None
 

@@ -13,7 +13,7 @@ from .designs import ATTENTIONS, DESIGNS, Design, design_of
 
 ARCHS = ("neox", "llama")
 ROPE_SCALINGS = ("none", "linear", "ntk", "dynamic", "yarn", "llama3")
-# The attention kernels (`model.attention.takes_gpu_path`): auto, FlexAttention on CUDA tensors and
+# The attention kernels (`model.kernel_path.takes_gpu_path`): auto, FlexAttention on CUDA tensors and
 # the CPU kernels elsewhere; flex, FlexAttention on any device (on CPU forward only: torch has no
 # CPU FlexAttention backward), which is how the GPU path runs and is tested on a CPU.
 KERNELS = ("auto", "flex")

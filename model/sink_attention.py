@@ -5,11 +5,11 @@ when `model.sinks` is on.
   evaluation of the q/k designs): the fused flash kernel (`_SinkFlash`), whose output and
   log-sum-exp take the sink afterwards (`with_sinks`); its backward given those is the sinked
   attention's, plus the sink's own gradient. Memory and time are the fused kernel's.
-- CPU, fp32 / fp64, a score bias, no window: the bias's own kernel (`model.attention`: the fused
+- CPU, fp32 / fp64, a score bias, no window: the bias's own kernel (`model.bias_attention`: the fused
   key-bias kernel for ALiBi and FoX, the tiled additive one for KERPLE and FIRE), which applies
   the sink to its output and log-sum-exp the same way.
 - Anything else (a window, a KV-cache step without a bias, bf16, and the whole GPU path:
-  `model.attention.takes_gpu_path`, FlexAttention's score_mod cannot add a column to the softmax's
+  `model.kernel_path.takes_gpu_path`, FlexAttention's score_mod cannot add a column to the softmax's
   denominator): explicit scores with the sink as one more column over chunks of query rows
   (`sink_attention_rows`), each chunk recomputed in backward (memory O(rows x keys)); under
   document masking per document (`segments`).
@@ -18,21 +18,16 @@ when `model.sinks` is on.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .bias_attention import LayerBias, _AdditiveBiasAttention, _KeyBiasAttention
 from .designs import sink_attention_rows, sink_gradient, sink_mass, with_sinks
 from .documents import Documents, segments
-
-if TYPE_CHECKING:
-    from .attention import LayerBias
+from .kernel_path import _FLASH, _FLASH_BACKWARD, takes_gpu_path
 
 ROWS = 128  # query rows per chunk of the explicit path: its scores are [B, H, ROWS, keys]
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def sink_attention(q, k, v, sinks: torch.Tensor, bias: LayerBias | None = None,
@@ -41,21 +36,15 @@ def sink_attention(q, k, v, sinks: torch.Tensor, bias: LayerBias | None = None,
     position Tk - Tq + i; within its document; the `window` most recent), sinks a_h [H] of the
     query heads served (all, or a sequence-parallel rank's). kernel: `model.kernel`; the GPU path
     (`takes_gpu_path`) takes the explicit chunks, never FlexAttention."""
-    from .attention import takes_gpu_path
-
     if documents is not None:
         return _document_sinks(q, k, v, sinks, bias, documents, window, kernel)
     flash = not takes_gpu_path(q, kernel) and q.dtype in (torch.float32, torch.float64) and not window
     if flash and bias is None and q.shape[-2] == k.shape[-2]:
         return _SinkFlash.apply(q, k, v, sinks)
     if flash and bias is not None and bias.module.separable:  # ALiBi, FoX: the fused key-bias kernel
-        from .attention import _KeyBiasAttention
-
         values = bias.key_values(k.shape[-2], bias.prefix(), q.device)
         return _KeyBiasAttention.apply(q, k, v, values, sinks)
     if flash and bias is not None and bias.terms is None:  # KERPLE, FIRE: the tiled additive-bias kernel
-        from .attention import _AdditiveBiasAttention
-
         return _AdditiveBiasAttention.apply(q, k, v, bias, sinks, *bias.module.tensors(bias.heads, q.device))
     return _chunked_sinks(q, k, v, sinks, bias, window)
 

@@ -1,6 +1,6 @@
 """The GPU path proven on a CPU (docs/GPU.md).
 
-`model.kernel=flex` forces `model.attention.takes_gpu_path` on CPU tensors, so the code a GPU runs
+`model.kernel=flex` forces `model.kernel_path.takes_gpu_path` on CPU tensors, so the code a GPU runs
 runs here: FlexAttention with block masks and score modifications (compiled through C++ in forward;
 torch's dense reference of the same score and mask functions where gradients are needed), SDPA and
 the chunked bias path. These tests check that it computes what the CPU kernels compute for every
@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-import model.attention as attention
+import model.kernel_path as attention
 from bench.gpu_path import DOCUMENTS, MODES, VOCAB, Case, CudaOpCheck, config, eager_flex, has_cuda_kernel
 from model import GPT, KVCache
 from model.config import ModelConfig

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
-import model.attention as attention_module
+import model.bias_attention as attention_module
 from model import ModelConfig, RopeScaling
-from model.attention import BIAS_CHUNK, CausalSelfAttention, LayerBias, causal_attention
+from model.attention import CausalSelfAttention, causal_attention
+from model.bias_attention import BIAS_CHUNK, LayerBias
 from model.designs import DESIGNS, Rope
 from model.designs.alibi import AlibiBias, alibi_slopes
 
@@ -197,7 +198,7 @@ def test_attention_layer_matches_reference(kind, rotary_pct):
 def test_flex_alibi_matches_chunked_path_and_cpu_evaluation_does_not_use_it(monkeypatch, kv_heads):
     """The GPU kernel (compiled FlexAttention, ~30 s compile; run here on CPU) gives the chunked
     path's result (with GQA too); long no-grad inputs on CPU take the fused kernel, not FlexAttention."""
-    import model.attention as attention
+    import model.bias_attention as attention
 
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, heads, 1024, 16, generator=g) for heads in (4, kv_heads, kv_heads))

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-import model.attention as attention_module
+import model.bias_attention as attention_module
 from model import ModelConfig
-from model.attention import CausalSelfAttention, LayerBias, LayerCache, _chunked_bias
+from model.attention import CausalSelfAttention, LayerCache
+from model.bias_attention import LayerBias, _chunked_bias
 from model.designs.alibi import AlibiBias, alibi_slopes
 from model.designs.fox import ForgetBias
 from model.documents import Documents, positions

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-import model.attention as attention_module
+import model.window_attention as attention_module
 from model import GPT, ModelConfig
 from model.attention import CausalSelfAttention
 from model.convert import convert
@@ -228,7 +228,9 @@ def test_hybrid_layers_count_from_the_last():
 def test_windowed_flex_kernel_matches_the_cpu_kernel():
     """The GPU path (compiled FlexAttention with a sliding-window block mask; forward runs on CPU,
     ~30 s compile) agrees with the chunked CPU kernel, with and without documents."""
-    from model.attention import _chunked_window, _compiled_flex, _document_window_mask, _window_block_mask
+    from model.flex import _document_window_mask, _window_block_mask
+    from model.kernel_path import _compiled_flex
+    from model.window_attention import _chunked_window
 
     g = torch.Generator().manual_seed(3)
     T = 300

@@ -14,7 +14,8 @@ import torch
 from test_model_attention import reference_scores
 
 from model import GPT, ModelConfig
-from model.attention import CausalSelfAttention, LayerBias, causal_attention
+from model.attention import CausalSelfAttention, causal_attention
+from model.bias_attention import LayerBias
 from model.designs import Rope
 from model.designs.alibi import AlibiBias
 from model.documents import Documents, document_block_mask, positions, starts
@@ -237,7 +238,8 @@ def test_flex_kernel_matches_cpu_kernel(alibi, kv_heads):
     """The GPU kernel (compiled FlexAttention; forward runs on CPU too, ~30 s compile) agrees with the
     CPU kernel on a packed row with documents across tile edges, with GQA too (the one-token
     documents' outputs are their kv head's values)."""
-    from model.attention import _compiled_flex, _flex_bias
+    from model.flex import _flex_bias
+    from model.kernel_path import _compiled_flex
 
     g = torch.Generator().manual_seed(6)
     lengths = [300, 1, 1, 97, 400, 225]

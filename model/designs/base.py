@@ -24,7 +24,8 @@ class ScoreBias(nn.Module):
     """One layer's additive score bias b_h(m, n), for query position m and key position n <= m,
     added to the scaled scores q_eff . k_eff / sqrt(D). A design with a bias builds one per layer
     (`Design.bias`); its parameters are the layer's (`attn.score_bias.*`), so they train, shard
-    and export with it. The kernels (`model.attention`, the exported model) read it two ways:
+    and export with it. The kernels (`model.bias_attention`, `model.flex`, the exported model) read
+    it two ways:
 
     - `rows`: the bias of a block of query rows over their keys, as one tensor (the CPU kernel, the
       remote-code model, evaluation); differentiable with respect to the parameters.
@@ -74,7 +75,7 @@ class ScoreBias(nn.Module):
         """c_h(n) [1 or B, heads, keys] in float64 for a `separable` bias, b_h(m, n) = c_h(n) - c_h(m),
         at key positions n [keys] (a gated bias: from the prefix sums F [B, heads, keys]). Softmax
         drops the per-row -c_h(m), so the bias rides the fused kernel as one more q/k dimension
-        (`model.attention._key_bias_attention`)."""
+        (`model.bias_attention._KeyBiasAttention`)."""
         raise NotImplementedError(f"{type(self).__name__} is not separable")
 
     def distance_table(self, heads: slice, distances: torch.Tensor,

@@ -8,7 +8,7 @@ with F the running sum of log f: the kernels' `gap` (within a document; KV cache
 the cached tokens are kept). ALiBi is the special case of a constant gate. As the paper's code, the gate is a
 linear layer with a bias (`gate`), initialised as the model's other linears (normal weights, zero
 bias), and log f = logsigmoid computed in float32; the gap sums are exact at any length (float64
-prefix sums on CPU, float32 hi/lo pairs in FlexAttention: `model.attention`).
+prefix sums on CPU, float32 hi/lo pairs in FlexAttention: `model.bias_attention`, `model.flex`).
 """
 
 from __future__ import annotations

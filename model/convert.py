@@ -32,7 +32,6 @@ from errors import ConfigError
 
 from .config import ModelConfig
 from .designs import DESIGNS
-from .designs.origin import ORIGIN
 
 MODIFIERS = ("sinks", "ssmax")  # the softmax modifiers' config fields, each one parameter [H] per layer
 
@@ -61,7 +60,7 @@ def check_conversion(source: ModelConfig, target: ModelConfig) -> None:
                                   f"drop learned parameters")
     if source.attention == target.attention:
         return
-    if source.design is not ORIGIN or target.design.from_origin is None:
+    if source.design is not DESIGNS["origin"] or target.design.from_origin is None:
         into = ", ".join(sorted({d.attention for d in DESIGNS.values() if d.from_origin}))
         raise ConversionError(
             f"cannot convert attention={source.attention} into attention={target.attention}: only Origin (RoPE) "

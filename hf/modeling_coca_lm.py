@@ -59,10 +59,11 @@ class CocaLMConfig(PreTrainedConfig):
     scores times max(1, log(i + 1) / log(L0))); sinks: a learned logit per head in each softmax's
     denominator; ssmax: query i's scores times s_h log(i + 1); qk_norm: RMSNorm of q and k (each
     over all its heads' channels, a learned scale per channel) before the design's transform.
-    max_position_embeddings is the training length L0, which dynamic NTK scales from. rope_parameters (designs with RoPE only):
-    rope_type default | linear | dynamic | yarn | llama3, rope_theta, partial_rotary_factor, factor,
-    for yarn beta_fast and beta_slow, for llama3 low_freq_factor and high_freq_factor, and for both
-    original_max_position_embeddings (the length they scale from; else L0).
+    max_position_embeddings is the training length L0, which dynamic NTK scales from.
+    rope_parameters (designs with RoPE only): rope_type default | linear | dynamic | yarn | llama3,
+    rope_theta, partial_rotary_factor, factor, for yarn beta_fast and beta_slow, for llama3
+    low_freq_factor and high_freq_factor, and for both original_max_position_embeddings (the
+    length they scale from; else L0).
     """
 
     model_type = "coca_lm"

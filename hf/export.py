@@ -169,9 +169,9 @@ def hf_config(m: ModelConfig, tokenizer: Tokenizer | HFTokenizer) -> dict:
 
 def native(m: ModelConfig) -> bool:
     """Whether the model exports as its architecture's own HF class (Origin without the length
-    temperature, sinks or SSMax, which transformers' classes cannot express), else as the
-    remote-code model."""
-    return m.design.native_hf and not (m.length_temperature or m.sinks or m.ssmax)
+    temperature, sinks, SSMax or QK-norm, which transformers' GPT-NeoX and Llama classes cannot
+    express), else as the remote-code model."""
+    return m.design.native_hf and not (m.length_temperature or m.sinks or m.ssmax or m.qk_norm)
 
 
 def _residual_and_norm(m: ModelConfig) -> dict:
@@ -181,7 +181,7 @@ def _residual_and_norm(m: ModelConfig) -> dict:
 
 def _remote_config(m: ModelConfig, config: dict) -> dict:
     """The `coca_lm` config: the design (attention, its parameters: CoCA's form among them), the length
-    temperature's L0 (0: off), the softmax modifiers (sinks, ssmax) and the `auto_map` naming the
+    temperature's L0 (0: off), the modifiers (sinks, ssmax, qk_norm) and the `auto_map` naming the
     remote code."""
     if not m.design.rope:
         del config["rope_parameters"]
@@ -189,7 +189,7 @@ def _remote_config(m: ModelConfig, config: dict) -> dict:
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
             "attention": m.attention, "design_params": params,
             "length_temperature": m.max_seq_len if m.length_temperature else 0, "sinks": m.sinks, "ssmax": m.ssmax,
-            **config, **_residual_and_norm(m),
+            "qk_norm": m.qk_norm, **config, **_residual_and_norm(m),
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
 

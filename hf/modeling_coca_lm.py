@@ -57,11 +57,13 @@ class CocaLMConfig(PreTrainedConfig):
     the design's parameters (coca-lm's `model.design_params.<attention>`: CoCA's form among them);
     length_temperature: the training length L0 of the length temperature, 0 when off (query i's
     scores times max(1, log(i + 1) / log(L0))); sinks: a learned logit per head in each softmax's
-    denominator; ssmax: query i's scores times s_h log(i + 1). max_position_embeddings is the
-    training length L0, which dynamic NTK scales from. rope_parameters (designs with RoPE only):
-    rope_type default | linear | dynamic | yarn | llama3, rope_theta, partial_rotary_factor, factor,
-    for yarn beta_fast and beta_slow, for llama3 low_freq_factor and high_freq_factor, and for both
-    original_max_position_embeddings (the length they scale from; else L0).
+    denominator; ssmax: query i's scores times s_h log(i + 1); qk_norm: RMSNorm of q and k (each
+    over all its heads' channels, a learned scale per channel) before the design's transform.
+    max_position_embeddings is the training length L0, which dynamic NTK scales from.
+    rope_parameters (designs with RoPE only): rope_type default | linear | dynamic | yarn | llama3,
+    rope_theta, partial_rotary_factor, factor, for yarn beta_fast and beta_slow, for llama3
+    low_freq_factor and high_freq_factor, and for both original_max_position_embeddings (the
+    length they scale from; else L0).
     """
 
     model_type = "coca_lm"
@@ -86,10 +88,11 @@ class CocaLMConfig(PreTrainedConfig):
         length_temperature: int = 0,
         sinks: bool = False,
         ssmax: bool = False,
+        qk_norm: bool = False,
         **kwargs,
     ):
         design = design_of(attention, {attention: design_params or {}})
-        if design.native_hf and not (length_temperature or sinks or ssmax):
+        if design.native_hf and not (length_temperature or sinks or ssmax or qk_norm):
             raise ValueError(f"attention={attention!r} exports as its architecture's own class, not coca_lm")
         if design_params and design.params is None:
             raise ValueError(f"design_params={design_params}: attention={attention!r} has no parameters")
@@ -112,7 +115,7 @@ class CocaLMConfig(PreTrainedConfig):
         if design.params is not None:
             design.params(**self.design_params)  # checks the values, naming the field
         self.length_temperature = length_temperature
-        self.sinks, self.ssmax = sinks, ssmax
+        self.sinks, self.ssmax, self.qk_norm = sinks, ssmax, qk_norm
         self.use_cache = use_cache
         self.rope_parameters = dict(rope_parameters or UNSCALED)
         check_rope_parameters(self)

@@ -140,6 +140,13 @@ class LayerCache:
         return k, v, terms
 
 
+def _across_heads(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`norm` over the channels of all heads of each token: x [B, H, T, D] as [B, T, H * D] (head h's
+    channel d is channel h * D + d), back as [B, H, T, D]."""
+    B, H, T, D = x.shape
+    return norm(x.transpose(1, 2).reshape(B, T, H * D)).view(B, T, H, D).transpose(1, 2)
+
+
 class CausalSelfAttention(nn.Module):
     """The attention layer of both architectures: their projections, then the shared q/k transform
     and kernel. neox: one fused, biased projection laid out per head as in GPT-NeoX ([H, 3, D] rows
@@ -167,6 +174,10 @@ class CausalSelfAttention(nn.Module):
         # the softmax modifiers (`model.designs.sinks`, `model.designs.ssmax`): per-head parameters [H]
         self.sinks = nn.Parameter(torch.empty(cfg.n_head).normal_(0.0, cfg.init_std)) if cfg.sinks else None
         self.ssmax = nn.Parameter(torch.full((cfg.n_head,), ssmax_init(cfg.max_seq_len))) if cfg.ssmax else None
+        # `model.qk_norm`: RMSNorm of q and k (CoCA's t) over all of each one's heads, scale per channel
+        norm = cfg.qk_norm
+        self.q_norm = nn.RMSNorm(cfg.n_head * cfg.head_dim, eps=cfg.layernorm_eps) if norm else None
+        self.k_norm = nn.RMSNorm(cfg.kv_heads * cfg.head_dim, eps=cfg.layernorm_eps) if norm else None
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.kernel = cfg.kernel  # `takes_gpu_path`
 
@@ -195,6 +206,8 @@ class CausalSelfAttention(nn.Module):
         key_counts: the keys each query attends to ([T] or [B, T], before a window), for SSMax."""
         B, T, C = x.shape
         q, k, v = self.heads(x)
+        if self.q_norm is not None:
+            q, k = _across_heads(self.q_norm, q), _across_heads(self.k_norm, k)
         q, k = (self.design.qk if self.qk_transform is None else self.qk_transform)(q, k, rope)
         if q_scale is not None:
             q = q * q_scale

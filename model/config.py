@@ -180,6 +180,10 @@ class ModelConfig:
           attention sinks: `model.designs.sinks`); any design.
     ssmax: scalable softmax, query i's dot-product scores times s_h log n_i with a learned s_h per
           head and layer, n_i the keys it attends to (`model.designs.ssmax`); any design.
+    qk_norm: RMSNorm of the query and key projections' outputs before the design's q/k transform
+          (before RoPE), each over all its heads' channels with a learned scale per channel
+          (`attn.q_norm` [n_head * D], `attn.k_norm` [n_kv_head * D]; CoCA: k is its T), as
+          DroPE's released code (OLMo 2's form); eps = layernorm_eps. Any design.
     max_seq_len: the training length (dynamic NTK and YaRN scale relative to it, or to
       `rope_scaling.original_max_seq_len` when set).
     rotary_pct: fraction of each head's dimensions that RoPE rotates (NeoX style, leading dims).
@@ -204,6 +208,7 @@ class ModelConfig:
     length_temperature: bool = False
     sinks: bool = False
     ssmax: bool = False
+    qk_norm: bool = False
     rotary_pct: float = 1.0
     rope_base: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)

@@ -33,7 +33,9 @@ from errors import ConfigError
 from .config import ModelConfig
 from .designs import DESIGNS
 
-MODIFIERS = ("sinks", "ssmax")  # the softmax modifiers' config fields, each one parameter [H] per layer
+# the modifiers' config fields: the softmax's (one parameter [H] per layer) and q/k's RMSNorm (two
+# norms per layer, `attn.q_norm`, `attn.k_norm`, starting as a new model's: scale 1)
+MODIFIERS = ("sinks", "ssmax", "qk_norm")
 
 
 class ConversionError(ConfigError):
@@ -82,7 +84,8 @@ def t_init(cfg: ModelConfig) -> str | None:
 def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelConfig,
             seed: int = 0) -> tuple[dict[str, torch.Tensor], Conversion]:
     """`state` (the source model's) as the target attention's state dict, and what was carried;
-    softmax modifiers the target adds (`model.sinks`, `model.ssmax`) start as a new model's."""
+    modifiers the target adds (`model.sinks`, `model.ssmax`, `model.qk_norm`) start as a new model's
+    (QK-norm's scales at 1: q and k only normalised, as DroPE's recalibration starts)."""
     check_conversion(source, target)
     out, done = _convert_design(state, source, target, seed)
     added = _fresh_layer_parameters(out, target, seed)
@@ -90,14 +93,14 @@ def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelCo
 
 
 def _fresh_layer_parameters(state: dict[str, torch.Tensor], target: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Each attention layer's parameters the target has and `state` lacks (a softmax modifier's,
+    """Each attention layer's parameters the target has and `state` lacks (a modifier's,
     a q/k transform's: PoPE's phase bias; a design's own attention's: stick-breaking's head bias),
     as a new attention layer of `target` initialises them,
     drawn from `seed`."""
     from .attention import CausalSelfAttention
 
     fresh = {}
-    if not (target.sinks or target.ssmax or target.design.transform or target.design.attend):
+    if not (target.sinks or target.ssmax or target.qk_norm or target.design.transform or target.design.attend):
         return fresh
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

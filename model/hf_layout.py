@@ -24,12 +24,13 @@ from .gpt import GPT
 # arch -> ours -> theirs: the modules (or a bare parameter) outside the blocks, and inside block i
 # (under `<layers>.<i>`). Our fused qkv is GPT-NeoX's layout ([H, 3, D] rows), and both use
 # rotate-half RoPE: only the names differ. A design's score bias, q/k transform, attention in place
-# of softmax (`attend`) and the softmax modifiers' per-head parameters sit inside the layer's
-# attention under our names.
+# of softmax (`attend`), the softmax modifiers' per-head parameters and QK-norm's two norms sit
+# inside the layer's attention under our names (`self_attn.q_norm` as in Qwen 3's and OLMo 2's
+# layouts).
 OUTSIDE = {"neox": {"wte": "gpt_neox.embed_in", "ln_f": "gpt_neox.final_layer_norm", "lm_head": "lm_head"},
            "llama": {"wte": "model.embed_tokens", "ln_f": "model.norm", "lm_head": "lm_head"}}
 LAYERS = {"neox": "gpt_neox.layers", "llama": "model.layers"}
-_EXTRAS = ("score_bias", "qk_transform", "attend", "sinks", "ssmax")
+_EXTRAS = ("score_bias", "qk_transform", "attend", "sinks", "ssmax", "q_norm", "k_norm")
 INSIDE = {
     "neox": {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.qkv": "attention.query_key_value",
              "attn.proj": "attention.dense", "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h",
@@ -183,7 +184,8 @@ def _design(config: dict, model_type: str) -> tuple[str, dict[str, Any], int]:
               **(config.get("design_params") or {})}
     l0 = config.get("length_temperature") or 0  # L0 (a bool in no export; true reads as max_position_embeddings)
     fields = dict(design_params={attention: params} if params else {}, length_temperature=bool(l0),
-                  sinks=bool(config.get("sinks")), ssmax=bool(config.get("ssmax")))
+                  sinks=bool(config.get("sinks")), ssmax=bool(config.get("ssmax")),
+                  qk_norm=bool(config.get("qk_norm")))
     return attention, fields, l0 if isinstance(l0, int) and not isinstance(l0, bool) else 0
 
 

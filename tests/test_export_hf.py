@@ -269,18 +269,29 @@ def test_logits_and_greedy_tokens_match(design, variant, tokenizer, tmp_path):
     assert torch.equal(theirs, ours)
 
 
+MODIFIED = {"sinks+ssmax": dict(sinks=True, ssmax=True), "qk_norm": dict(qk_norm=True)}
+
+
+@pytest.mark.parametrize("modifiers", MODIFIED)
 @pytest.mark.parametrize("variant", ["neox", "llama"])
-@pytest.mark.parametrize("design", ["origin", "fox", "hybrid"])
-def test_softmax_modifiers_export_through_the_remote_code(design, variant, tokenizer, tmp_path):
-    """Sinks and SSMax (drawn at std 0.3 like every weight: sinks around 0, s of either sign) on a
-    RoPE design (Origin, then remote code), a gated bias (FoX: its terms in the HF cache) and the
-    windowed hybrid: the logits at L0 and 8 L0, and greedy generation over transformers' cache."""
-    model = random_model(tokenizer, design, variant, sinks=True, ssmax=True)
+@pytest.mark.parametrize("design", ["origin", "nope", "fox", "hybrid"])
+def test_softmax_modifiers_export_through_the_remote_code(design, variant, modifiers, tokenizer, tmp_path):
+    """Sinks and SSMax (drawn at std 0.3 like every weight: sinks around 0, s of either sign), or
+    QK-norm (its scales drawn so too; under llama k's norm spans the 2 kv heads), on a RoPE design
+    (Origin, then remote code), NoPE (DroPE's model), a gated bias (FoX: its terms in the HF cache)
+    and the windowed hybrid: the logits at L0 and 8 L0, and greedy generation over transformers' cache."""
+    model = random_model(tokenizer, design, variant, **MODIFIED[modifiers])
     idx = torch.randint(4, tokenizer.vocab_size, (2, 8 * L0), generator=torch.Generator().manual_seed(1))
     out = export_hf(model, tokenizer, tmp_path / "export")
     assert (out / "modeling_coca_lm.py").exists()
     hf = load_hf(out)
-    assert hf.config.sinks and hf.config.ssmax
+    assert all(getattr(hf.config, name) == on for name, on in MODIFIED[modifiers].items())
+    if "qk_norm" in modifiers:
+        written = json.loads((out / "config.json").read_text())
+        assert written["qk_norm"] is True and not written["sinks"]
+        names = set(hf.state_dict())
+        layers = "gpt_neox.layers.1.attention" if variant == "neox" else "model.layers.1.self_attn"
+        assert {f"{layers}.q_norm.weight", f"{layers}.k_norm.weight"} <= names
     with torch.no_grad():
         for length in (L0, 8 * L0):
             want = model(idx[:, :length])

@@ -261,7 +261,7 @@ def test_legacy_config_fields_read_as_the_new_ones(tmp_path):
 def test_our_exports_import_back_exactly(micro_run, tmp_path):
     """Our own exports: the trained micro run (Origin, a GPTNeoXForCausalLM directory), a random
     CoCA strict model, a random hybrid with its own parameters (global RoPE layers at their own
-    base) and the length temperature, and a random PoPE with its phase bias, sinks and SSMax
+    base) and the length temperature, and a random PoPE with its phase bias, sinks, SSMax and QK-norm
     (coca_lm directories) come back with their config and bitwise weights."""
     from hf.export import export_hf
     from train.load import load_model
@@ -276,14 +276,14 @@ def test_our_exports_import_back_exactly(micro_run, tmp_path):
                                                        "global_rope_base": 500.0}}))
     pope = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                            ffn_hidden=64, max_seq_len=L0, attention="pope", arch="llama", parallel_residual=False,
-                           design_params={"pope": {"phase_bias": True}}, sinks=True, ssmax=True))
+                           design_params={"pope": {"phase_bias": True}}, sinks=True, ssmax=True, qk_norm=True))
     for name, ours in (("origin", model), ("coca", _randomised(strict, 0.1)), ("hybrid", _randomised(hybrid, 0.1)),
                        ("pope", _randomised(pope, 0.1))):
         out = export_hf(ours, tokenizer, tmp_path / name)
         cfg, state = import_hf(out)
         fixed = ("arch", "vocab_size", "n_layer", "n_head", "n_embd", "ffn_hidden", "max_seq_len", "attention",
                  "rotary_pct", "rope_base", "parallel_residual", "layernorm_eps", "tie_embeddings",
-                 "design_params", "length_temperature", "sinks", "ssmax", "n_kv_head")
+                 "design_params", "length_temperature", "sinks", "ssmax", "qk_norm", "n_kv_head")
         assert {f: getattr(cfg, f) for f in fixed} == {f: getattr(ours.cfg, f) for f in fixed}
         mine = ours.state_dict()
         assert set(state) == set(mine) and all(torch.equal(state[k], mine[k].float()) for k in mine)

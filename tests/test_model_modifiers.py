@@ -1,5 +1,5 @@
-"""The softmax modifiers any design takes: attention sinks (`model.sinks`) and scalable softmax
-(`model.ssmax`), each against a float64 reference written from its definition (not from
+"""The modifiers any design takes: attention sinks (`model.sinks`), scalable softmax (`model.ssmax`)
+and RMSNorm of q and k (`model.qk_norm`), each against a float64 reference written from its definition (not from
 `model.designs`): the layer's output and the gradients of its input and every weight, on a RoPE
 design, a score-bias design of each kernel (ALiBi, KERPLE, FoX: FoX's gates get a gradient
 through each row's sink too) and a windowed one, with grouped-query attention and document
@@ -32,7 +32,10 @@ DESIGNS = {  # (attention, design_params, layer index): the hybrid's layer 0 of 
     "fox": ("fox", {}, 0),
     "hybrid-window": ("hybrid", {"hybrid": {"nope_every": 2, "window": W}}, 0),
 }
-MODIFIERS = {"sinks": dict(sinks=True), "ssmax": dict(ssmax=True), "both": dict(sinks=True, ssmax=True)}
+MODIFIERS = {"sinks": dict(sinks=True), "ssmax": dict(ssmax=True), "both": dict(sinks=True, ssmax=True),
+             "qk_norm": dict(qk_norm=True), "all": dict(sinks=True, ssmax=True, qk_norm=True)}
+# each modifier's parameters under a layer's attention
+PARAMETERS = {"sinks": ["sinks"], "ssmax": ["ssmax"], "qk_norm": ["q_norm.weight", "k_norm.weight"]}
 
 
 # ---- the definitions, in float64 ------------------------------------------------------------------
@@ -43,10 +46,20 @@ def alibi_slopes(h: int) -> torch.Tensor:
     return torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)], dtype=F64)
 
 
+def rms_across_heads(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [B, h, T, D] normalised per token over all h * D channels c: x_c / sqrt(mean_c' x_c'^2 + eps) * g_c,
+    channel c = head * D + d."""
+    B, h, T, D = x.shape
+    flat = x.transpose(1, 2).reshape(B, T, h * D)
+    flat = flat / torch.sqrt((flat**2).mean(-1, keepdim=True) + eps) * g
+    return flat.reshape(B, T, h, D).transpose(1, 2)
+
+
 def reference_output(layer: CausalSelfAttention, x: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor,
                      attention: str) -> torch.Tensor:
-    """The layer's projections around, per head h and query m over its allowed keys n (n <= m, the
-    same document, m - n < W in the windowed layer), N_m of them:
+    """The layer's projections around (QK-norm: q and k, each over all its heads, normalised before
+    RoPE), per head h and query m over its allowed keys n (n <= m, the same document, m - n < W in
+    the windowed layer), N_m of them:
 
         z_mn = c_hm q_m . k_n / sqrt(D) + b_h(m, n),  c_hm = s_h log N_m (SSMax) or 1,
         p_mn = exp(z_mn) / (exp(a_h) + sum_n' exp(z_mn')) (sinks; else without exp(a_h)),
@@ -58,8 +71,11 @@ def reference_output(layer: CausalSelfAttention, x: torch.Tensor, pos: torch.Ten
         q, k, v = (layer.qkv(x).view(B, T, H, 3, D)[:, :, :, i].transpose(1, 2) for i in range(3))
     else:
         q, k, v = (p(x).view(B, T, -1, D).transpose(1, 2) for p in (layer.q, layer.k, layer.v))
-        group = H // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if layer.q_norm is not None:  # k over its kv heads, before they are shared
+        q = rms_across_heads(q, layer.q_norm.weight, layer.q_norm.eps)
+        k = rms_across_heads(k, layer.k_norm.weight, layer.k_norm.eps)
+    group = H // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if attention in ("origin", "hybrid"):
         r = int(D * (0.5 if layer.fused else 1.0))
         q, k = rotate(q, pos[:, None], r), rotate(k, pos[:, None], r)
@@ -238,15 +254,43 @@ def test_origin_converts_with_the_modifiers_drawn_afresh(modifiers):
     state, done = convert(source.state_dict(), source.cfg, target_cfg, seed=3)
     assert all(torch.equal(state[k], v) for k, v in source.state_dict().items())
     new = {k for k in state if k not in source.state_dict()}
-    assert new == set(done.fresh) and new == {f"h.{i}.attn.{name}" for i in range(2) for name in MODIFIERS[modifiers]}
+    names = [name for modifier in MODIFIERS[modifiers] for name in PARAMETERS[modifier]]
+    assert new == set(done.fresh) and new == {f"h.{i}.attn.{name}" for i in range(2) for name in names}
     if "ssmax" in MODIFIERS[modifiers]:
         assert torch.equal(state["h.0.attn.ssmax"], torch.full((2,), 1 / math.log(L0)))
+    if "qk_norm" in MODIFIERS[modifiers]:  # scale 1: q and k only normalised (n_head = n_kv_head = 2, D = 16)
+        for name in PARAMETERS["qk_norm"]:
+            assert all(torch.equal(state[f"h.{i}.attn.{name}"], torch.ones(32, dtype=F64)) for i in range(2))
     GPT(target_cfg).double().load_state_dict(state)
 
 
-def test_a_model_with_modifiers_does_not_convert_to_one_without():
+@pytest.mark.parametrize("modifier", ["sinks", "qk_norm"])
+def test_a_model_with_modifiers_does_not_convert_to_one_without(modifier):
     from model.convert import ConversionError
 
-    source = gpt("origin", sinks=True)
-    with pytest.raises(ConversionError, match="model.sinks"):
-        convert(source.state_dict(), source.cfg, ModelConfig(**{**source.cfg.__dict__, "sinks": False}))
+    source = gpt("origin", **{modifier: True})
+    with pytest.raises(ConversionError, match=f"model.{modifier}"):
+        convert(source.state_dict(), source.cfg, ModelConfig(**{**source.cfg.__dict__, modifier: False}))
+
+
+def test_origin_converts_to_nope_with_qk_norm_keeping_every_tensor():
+    """DroPE's start (`experiment=drope`): Origin -> NoPE + QK-norm keeps every tensor bitwise and
+    adds only the norms' scales, at 1; with llama's grouped-query attention k's norm spans its kv heads."""
+    source = gpt("origin", arch="llama", parallel_residual=False, n_head=4, n_kv_head=2)
+    target = ModelConfig(**{**source.cfg.__dict__, "attention": "nope", "qk_norm": True})
+    state, done = convert(source.state_dict(), source.cfg, target, seed=3)
+    assert all(torch.equal(state[k], v) for k, v in source.state_dict().items())
+    assert set(done.fresh) == {f"h.{i}.attn.{n}" for i in range(2) for n in PARAMETERS["qk_norm"]}
+    assert state["h.0.attn.q_norm.weight"].shape == (32,) and state["h.0.attn.k_norm.weight"].shape == (16,)
+    GPT(target).double().load_state_dict(state)
+
+
+@pytest.mark.parametrize("attention", ["coca", "pope", "stick_breaking", "fire"])
+def test_qk_norm_runs_under_every_kind_of_design(attention):
+    """QK-norm acts on the projections' outputs before any design's q/k transform, so every design
+    takes it: CoCA (its T normalised as k), PoPE (before its magnitudes), stick-breaking (no softmax:
+    its logits are q . k too) and a score-bias design (FIRE)."""
+    model = gpt(attention, qk_norm=True)
+    with torch.no_grad():
+        logits = model(IDX[:, :20])
+    assert torch.isfinite(logits).all() and logits.shape == (2, 20, 64)

@@ -44,7 +44,7 @@ from model.designs.coca import COCA_SLACK, coca_tie
 # 8K peak varied from 220 to 330 MiB between runs; fixed: 179-180).
 WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)}
 RELEASED = "coca-released"  # the released CoCA code's formulation (below), on CoCA slack's layer
-MODIFIERS = ("sinks", "ssmax")  # `model.sinks`, `model.ssmax`: a variant `<label>+<modifier>`
+MODIFIERS = ("sinks", "ssmax", "qk_norm")  # a variant `<label>+<modifier>` switches on `model.<modifier>`
 VARIANTS = (*BY_LABEL, RELEASED)
 MODIFIED = tuple(f"{label}+{modifier}" for label, d in BY_LABEL.items() if d.softmax for modifier in MODIFIERS)
 

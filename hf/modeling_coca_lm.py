@@ -160,6 +160,18 @@ class _LayerCache:
             store[self.index] = terms
         return k, v, terms
 
+    def previous_inputs(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FoX Pro's last unshifted k and v beside the cache (`LayerCache.previous_inputs`); a cache
+        cut or filled elsewhere since (generate's cropping) no longer has them: refused."""
+        store = self.cache.__dict__.setdefault("coca_lm_last", {})
+        length = self.cache.get_seq_length(self.index)
+        kept = store.get(self.index)
+        if length and (kept is None or kept[0] != length):
+            raise ValueError("FoX Pro shifts each key and value toward its predecessor's, which this cache no "
+                             "longer holds (it was cropped or filled elsewhere): generate without cropping")
+        store[self.index] = (length + k.shape[-2], (k[..., -1:, :], v[..., -1:, :]))
+        return kept[1] if length else None
+
 
 class _Cache:
     """`model.gpt.KVCache`'s interface (what `GPT.hidden_states` reads) over a transformers Cache;

@@ -125,6 +125,7 @@ class LayerCache:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.terms: torch.Tensor | None = None
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # FoX Pro's: the last unshifted k, v
 
     @property
     def length(self) -> int:
@@ -138,6 +139,12 @@ class LayerCache:
                 terms = torch.cat((self.terms, terms), dim=-1)
         self.keys, self.values, self.terms = k, v, terms
         return k, v, terms
+
+    def previous_inputs(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The unshifted k and v [B, kv heads, 1, D] of the last cached token (None: the cache is
+        empty), keeping these tokens' last in their place (FoX Pro's shift: `model.designs.fox`)."""
+        previous, self.last = self.last, (k[..., -1:, :], v[..., -1:, :])
+        return previous
 
 
 def _across_heads(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +185,8 @@ class CausalSelfAttention(nn.Module):
         norm = cfg.qk_norm
         self.q_norm = nn.RMSNorm(cfg.n_head * cfg.head_dim, eps=cfg.layernorm_eps) if norm else None
         self.k_norm = nn.RMSNorm(cfg.kv_heads * cfg.head_dim, eps=cfg.layernorm_eps) if norm else None
+        pro = self.design.pro  # FoX Pro's parts around the kernel (`Design.pro`)
+        self.pro = pro(cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd, cfg.layernorm_eps) if pro else None
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.kernel = cfg.kernel  # `takes_gpu_path`
 
@@ -206,6 +215,8 @@ class CausalSelfAttention(nn.Module):
         key_counts: the keys each query attends to ([T] or [B, T], before a window), for SSMax."""
         B, T, C = x.shape
         q, k, v = self.heads(x)
+        if self.pro is not None:
+            q, k, v = self._pro_inputs(x, q, k, v, cache, documents)
         if self.q_norm is not None:
             q, k = _across_heads(self.q_norm, q), _across_heads(self.k_norm, k)
         q, k = (self.design.qk if self.qk_transform is None else self.qk_transform)(q, k, rope)
@@ -242,4 +253,22 @@ class CausalSelfAttention(nn.Module):
         y = y[..., :width]
         if sp is not None:
             y = sp.to_sequence(y)
+        if self.pro is not None:
+            y = self.pro.output(x[:, -T:], y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def _pro_inputs(self, x, q, k, v, cache: LayerCache | None, documents: Documents | None):
+        """`Design.pro`'s q, k, v: each token's k and v shifted toward its predecessor's, which for the
+        first of these tokens is the cache's last, or the previous sequence rank's last (zero at the
+        row's start); a document's first token has none."""
+        sp, T = self.sequence_parallel, k.shape[-2]
+        previous = None
+        if cache is not None:
+            previous = cache.previous_inputs(k, v)
+        elif sp is not None:
+            previous = sp.previous_token(k), sp.previous_token(v)
+        starts = None
+        if documents is not None:  # the whole rows' under sequence parallelism: this rank's tokens
+            first = 0 if sp is None else sp.span(T)[0]
+            starts = documents.positions[:, first : first + T] == 0
+        return self.pro.inputs(x, q, k, v, previous, starts)

@@ -271,6 +271,9 @@ class ModelConfig:
         if modifiers and not self.design.softmax:
             raise ValueError(f"{', '.join(modifiers)} with model.attention={self.attention}: {self.design.name} "
                              "attention has no softmax for it to modify")
+        if self.qk_norm and self.design.pro:
+            raise ValueError(f"model.qk_norm=true with {self.design.name}: its Pro block normalises q and k per head "
+                             "itself; leave model.qk_norm=false")
         if self.init_std <= 0 or self.layernorm_eps <= 0:
             raise ValueError("model.init_std and model.layernorm_eps must be > 0")
 

@@ -60,6 +60,9 @@ def check_conversion(source: ModelConfig, target: ModelConfig) -> None:
         if getattr(source, name) and not getattr(target, name):
             raise ConversionError(f"the source has model.{name}=true and the target not: a conversion does not "
                                   f"drop learned parameters")
+    if source.design.pro and not target.design.pro:
+        raise ConversionError(f"the source is {source.design.name} and the target {target.design.name}: a conversion "
+                              f"does not drop learned parameters (the Pro block's)")
     if source.attention == target.attention:
         return
     if source.design is not DESIGNS["origin"] or target.design.from_origin is None:
@@ -94,13 +97,15 @@ def convert(state: dict[str, torch.Tensor], source: ModelConfig, target: ModelCo
 
 def _fresh_layer_parameters(state: dict[str, torch.Tensor], target: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Each attention layer's parameters the target has and `state` lacks (a modifier's,
-    a q/k transform's: PoPE's phase bias; a design's own attention's: stick-breaking's head bias),
+    a q/k transform's: PoPE's phase bias; a design's own attention's: stick-breaking's head bias;
+    FoX Pro's block parts),
     as a new attention layer of `target` initialises them,
     drawn from `seed`."""
     from .attention import CausalSelfAttention
 
     fresh = {}
-    if not (target.sinks or target.ssmax or target.qk_norm or target.design.transform or target.design.attend):
+    if not (target.sinks or target.ssmax or target.qk_norm or target.design.transform or target.design.attend
+            or target.design.pro):
         return fresh
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -24,13 +24,13 @@ from .gpt import GPT
 # arch -> ours -> theirs: the modules (or a bare parameter) outside the blocks, and inside block i
 # (under `<layers>.<i>`). Our fused qkv is GPT-NeoX's layout ([H, 3, D] rows), and both use
 # rotate-half RoPE: only the names differ. A design's score bias, q/k transform, attention in place
-# of softmax (`attend`), the softmax modifiers' per-head parameters and QK-norm's two norms sit
-# inside the layer's attention under our names (`self_attn.q_norm` as in Qwen 3's and OLMo 2's
-# layouts).
+# of softmax (`attend`), the softmax modifiers' per-head parameters, QK-norm's two norms and FoX
+# Pro's parts (`pro`) sit inside the layer's attention under our names (`self_attn.q_norm` as in
+# Qwen 3's and OLMo 2's layouts).
 OUTSIDE = {"neox": {"wte": "gpt_neox.embed_in", "ln_f": "gpt_neox.final_layer_norm", "lm_head": "lm_head"},
            "llama": {"wte": "model.embed_tokens", "ln_f": "model.norm", "lm_head": "lm_head"}}
 LAYERS = {"neox": "gpt_neox.layers", "llama": "model.layers"}
-_EXTRAS = ("score_bias", "qk_transform", "attend", "sinks", "ssmax", "q_norm", "k_norm")
+_EXTRAS = ("score_bias", "qk_transform", "attend", "sinks", "ssmax", "q_norm", "k_norm", "pro")
 INSIDE = {
     "neox": {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.qkv": "attention.query_key_value",
              "attn.proj": "attention.dense", "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h",

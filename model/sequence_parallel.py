@@ -4,7 +4,8 @@ contiguous 1/P of its tokens, and attention sees the whole row through two all-t
     rank r of P holds tokens [r T/P, (r+1) T/P) of every row, all heads
       position-wise work on the shard, at GLOBAL positions with RoPE tables for the GLOBAL length T
       (embeddings, norms, projections, MLP, the design's q/k transform `Design.qk`, the length
-      temperature's scale of q, a gated bias's per-token terms (FoX's log forget gates), the loss)
+      temperature's scale of q, a gated bias's per-token terms (FoX's log forget gates), the loss;
+      FoX Pro's k/v shift, with the previous rank's last token: `previous_token`)
       all-to-all sequence -> heads:  q [B, H, T/P, D] -> [B, H/P, T, D]  (k, v: their kv heads;
         the gated terms [B, H, T/P] -> [B, H/P, T])
       the unchanged kernel on this rank's head slice over the whole row: causal or document
@@ -84,6 +85,18 @@ class SequenceParallel:
         B, h, T, D = y.shape
         out = _Exchange.apply(y.view(B, h, self.size, T // self.size, D).permute(2, 0, 1, 3, 4), self.group)
         return out.transpose(0, 1).reshape(B, h * self.size, T // self.size, D)
+
+    def previous_token(self, x: torch.Tensor) -> torch.Tensor:
+        """The previous rank's last token of x [B, h, T/P, D], as [B, h, 1, D] (zeros on rank 0):
+        what a token shift (FoX Pro's) reads before this rank's first token. One all-to-all in
+        which rank r sends its last token to rank r + 1 and zeros elsewhere (differentiable, as
+        `to_heads`). What every rank sends and reads is a function of its x (rank 0 reads the zeros
+        rank P - 1 sent it), so every rank's graph holds the exchange and joins its backward."""
+        to_next = torch.zeros(self.size, dtype=x.dtype, device=x.device)
+        if self.rank + 1 < self.size:
+            to_next[self.rank + 1] = 1.0
+        sent = to_next.view(-1, *[1] * x.dim()) * x[..., -1:, :]
+        return _Exchange.apply(sent, self.group)[self.rank - 1]
 
     def attention_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: Optional[torch.Tensor],
                          n_head: int):

@@ -54,13 +54,14 @@ def float64_cases() -> list[str]:
                     cases.append(f"{arch}:{design.key}:{data}:temp")
     softmax = ["neox:origin:docs:softmax", "llama:alibi:docs:softmax", "neox:hybrid:plain:softmax",
                "mqa:fox:docs:softmax", "llama:pope:docs:softmax"]  # sinks and SSMax
-    return [*cases, "mqa:origin:docs:dynamic", "mqa:alibi:docs:none", "mqa:fox:docs:none", *softmax]
+    return [*cases, "mqa:origin:docs:dynamic", "mqa:alibi:docs:none", "mqa:fox:docs:none", "mqa:fox_pro:docs:none",
+            *softmax]
 
 
 ENGINE_CASES = ["zero0:neox:alibi:docs:none", "zero2:llama:coca_strict:docs:dynamic",
                 "zero3:llama:origin:docs:dynamic", "zero3:neox:coca:plain:none", "zero2:llama:fox:docs:temp",
                 "zero3:neox:hybrid:docs:none", "zero3:llama:fire:plain:none", "zero3:llama:origin:docs:softmax",
-                "zero2:neox:pope:plain:none"]
+                "zero2:neox:pope:plain:none", "zero3:llama:fox_pro:docs:none"]
 
 
 def batch() -> torch.Tensor:

@@ -169,6 +169,10 @@ class Design:
       heads served) -> [B, H, Tq, D], with parameters of its own: stick-breaking's); None: softmax
       on the shared kernels. Such a design has no softmax for sinks, SSMax or the length
       temperature to modify (`softmax`).
+    pro: (n_head, kv heads, head_dim, n_embd, eps) -> a layer's module of the Forgetting Transformer
+      paper's "Pro" block parts around the kernel (the layer's `pro`: `inputs` shifts k and v and
+      normalises q and k per head before the q/k transform, `output` norms and gates the attention's
+      output before the projection; FoX Pro's); None: none.
     """
 
     key: str
@@ -191,6 +195,7 @@ class Design:
     params: Optional[type] = None
     for_layer: Optional[Callable[[Any, int, int], Design]] = None
     attend: Optional[Callable[[int, int], nn.Module]] = None
+    pro: Optional[Callable[[int, int, int, int, float], nn.Module]] = None
 
     @property
     def softmax(self) -> bool:

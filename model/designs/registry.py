@@ -13,7 +13,7 @@ from .alibi import ALIBI
 from .base import Design
 from .coca import COCA_SLACK, COCA_STRICT
 from .fire import FIRE
-from .fox import FOX
+from .fox import FOX, FOX_PRO
 from .hybrid import HYBRID
 from .kerple import KERPLE
 from .nope import NOPE
@@ -23,7 +23,7 @@ from .prope import PROPE
 from .stick_breaking import STICK_BREAKING
 
 _LISTED: tuple[Design, ...] = (ORIGIN, ALIBI, COCA_SLACK, COCA_STRICT, NOPE, PROPE, HYBRID, KERPLE, FIRE, FOX,
-                               POPE, STICK_BREAKING)
+                               POPE, STICK_BREAKING, FOX_PRO)
 DESIGNS: dict[str, Design] = {d.key: d for d in _LISTED}
 ATTENTIONS: tuple[str, ...] = tuple(dict.fromkeys(d.attention for d in DESIGNS.values()))  # model.attention
 BY_LABEL: dict[str, Design] = {d.label: d for d in DESIGNS.values()}

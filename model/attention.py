@@ -266,7 +266,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             previous = cache.previous_inputs(k, v)
         elif sp is not None:
-            previous = sp.previous_token(k), sp.previous_token(v)
+            previous = sp.previous_token(torch.stack((k, v))).unbind(0)  # one exchange for both
         starts = None
         if documents is not None:  # the whole rows' under sequence parallelism: this rank's tokens
             first = 0 if sp is None else sp.span(T)[0]

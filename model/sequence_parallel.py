@@ -87,7 +87,7 @@ class SequenceParallel:
         return out.transpose(0, 1).reshape(B, h * self.size, T // self.size, D)
 
     def previous_token(self, x: torch.Tensor) -> torch.Tensor:
-        """The previous rank's last token of x [B, h, T/P, D], as [B, h, 1, D] (zeros on rank 0):
+        """The previous rank's last token of x [..., T/P, D], as [..., 1, D] (zeros on rank 0):
         what a token shift (FoX Pro's) reads before this rank's first token. One all-to-all in
         which rank r sends its last token to rank r + 1 and zeros elsewhere (differentiable, as
         `to_heads`). What every rank sends and reads is a function of its x (rank 0 reads the zeros

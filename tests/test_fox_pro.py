@@ -12,7 +12,7 @@ import pytest
 import torch
 from float64_checks import ARCHS, F64, assert_same_with_gradients, random_gpt
 
-from model import ModelConfig
+from model import GPT, ModelConfig
 from model.attention import CausalSelfAttention, LayerCache
 from model.convert import ConversionError, convert
 from model.documents import Documents
@@ -124,9 +124,8 @@ def test_kv_cache_continues_with_the_cached_token_as_predecessor():
 
 def test_the_parts_start_as_the_paper_code_starts_them():
     """Norm scales 1; the shifts' and the gate's linears drawn as the model's (no biases)."""
-    model = random_gpt(16, **PRO)
-    fresh = type(model)(model.cfg)
-    pro = fresh.h[0].attn.pro
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, **PRO))
+    pro = model.h[0].attn.pro
     for norm in (pro.q_norm, pro.k_norm, pro.out_norm):
         assert torch.equal(norm.weight, torch.ones_like(norm.weight))
     for linear in (pro.k_shift, pro.v_shift, pro.out_gate):
@@ -150,15 +149,15 @@ def test_conversion_from_origin_and_from_basic_fox_adds_fresh_parts():
     origin = ModelConfig(n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, attention="origin")
     basic = ModelConfig(n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, attention="fox")
     for source in (origin, basic):
-        state = type(random_gpt(16))(source).state_dict()
+        state = GPT(source).state_dict()
         out, done = convert(state, source, pro)
         assert all(torch.equal(out[name], state[name]) for name in state if "score_bias" not in name)
         assert {f"h.{i}.attn.pro.{part}" for i in range(2) for part in ("k_shift.weight", "out_gate.weight")} <= \
             set(done.fresh)
-        model = type(random_gpt(16))(pro)
+        model = GPT(pro)
         model.load_state_dict(out)  # strict: every tensor of the Pro model is there
     with pytest.raises(ConversionError, match="does not drop learned parameters"):
-        convert(type(random_gpt(16))(pro).state_dict(), pro, basic)
+        convert(GPT(pro).state_dict(), pro, basic)
 
 
 def test_qk_norm_beside_the_pro_block_is_refused():

@@ -2,14 +2,15 @@
 takes, timed and checked.
 
     python -m bench.generation                                   # 350m, 512-token prompt, 32 new tokens
-    python -m bench.generation --flavor tiny --prompt 48 --new 8 --designs alibi fox
+    python -m bench.generation --flavor tiny --prompt 48 --new 8 --designs alibi fox origin+sinks+ssmax
 
-Per design and precision (bf16: autocast, as training runs it): a model at random initialisation
-(the path is the point, not the text), greedy decoding over the KV cache (`GPT.stream`: the prompt,
-then one token per step), then one full forward over the prompt and the generated tokens, whose
-logits at the last position must equal the last cached step's (relative to their largest magnitude:
-1e-4 in fp32, 5e-2 in bf16, whose roundings differ between the two paths). Prints one row each and
-exits 1 if any differs.
+A design may carry modifiers, `<key>+<modifier>...` (`model.<modifier>=true`: sinks, ssmax,
+qk_norm), as bench.attention's variants do. Per design and precision (bf16: autocast, as training
+runs it): a model at random initialisation (the path is the point, not the text), greedy decoding
+over the KV cache (`GPT.stream`: the prompt, then one token per step), then one full forward over
+the prompt and the generated tokens, whose logits at the last position must equal the last cached
+step's (relative to their largest magnitude: 1e-4 in fp32, 5e-2 in bf16, whose roundings differ
+between the two paths). Prints one row each and exits 1 if any differs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import torch
 
 from model import GPT, KVCache, flavor
+from model.convert import MODIFIERS
 from model.denormals import flush_denormals
 from model.designs import DESIGNS
 
@@ -32,11 +34,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def build(key: str, args, device: torch.device) -> GPT:
-    """The design's model at random initialisation, built on the device (no CPU copy to move)."""
+def variant(name: str) -> str:
+    """A design's key, optionally with modifiers: `origin`, `origin+sinks+ssmax+qk_norm`."""
+    key, *modifiers = name.split("+")
+    if key not in DESIGNS or not set(modifiers) <= set(MODIFIERS):
+        raise argparse.ArgumentTypeError(f"{name!r} is not <design>[+<modifier>...]: designs {', '.join(DESIGNS)}; "
+                                         f"modifiers {', '.join(MODIFIERS)}")
+    return name
+
+
+def build(name: str, args, device: torch.device) -> GPT:
+    """The variant's model at random initialisation, built on the device (no CPU copy to move)."""
     torch.manual_seed(0)
-    cfg = flavor(args.flavor, **DESIGNS[key].settings(), vocab_size=args.vocab_size,
-                 max_seq_len=max(args.prompt + args.new, 8))
+    key, *modifiers = name.split("+")
+    cfg = flavor(args.flavor, **DESIGNS[key].settings(), **dict.fromkeys(modifiers, True),
+                 vocab_size=args.vocab_size, max_seq_len=max(args.prompt + args.new, 8))
     with device:
         return GPT(cfg).eval()
 
@@ -71,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=32)
-    parser.add_argument("--designs", nargs="+", choices=list(DESIGNS), default=list(DESIGNS))
+    parser.add_argument("--designs", nargs="+", type=variant, default=list(DESIGNS), metavar="DESIGN",
+                        help="design keys, each optionally +modifiers (default: every design)")
     parser.add_argument("--dtypes", nargs="+", choices=list(TOLERANCE), default=list(TOLERANCE))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -83,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.flavor}, prompt {args.prompt}, {args.new} new tokens, greedy, batch 1, {name}\n")
     print("| design | dtype | prompt ms | tokens/s | cached vs full logits | ok |\n|---|---|---|---|---|---|")
     failed = 0
-    for key in args.designs:
-        model = build(key, args, device)
+    for design in args.designs:
+        model = build(design, args, device)
         for dtype in args.dtypes:
             prompt_s, per_s, difference = generate_once(model, dtype, args, device)
             ok = difference <= TOLERANCE[dtype]
             failed += not ok
-            print(f"| {key} | {dtype} | {prompt_s * 1e3:.1f} | {per_s:.1f} | {difference:.1e} | "
+            print(f"| {design} | {dtype} | {prompt_s * 1e3:.1f} | {per_s:.1f} | {difference:.1e} | "
                   f"{'yes' if ok else 'NO'} |", flush=True)
     return 1 if failed else 0
 

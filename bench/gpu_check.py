@@ -311,8 +311,21 @@ COSTS = {  # seconds
     "checkpoint": 6.0,  # a 4.3 GB ZeRO 2 checkpoint written or read
     "bench_train": 45.0, "bench_attention": 45.0, "bench_doc_mask": 40.0, "bench_sequence_parallel": 60.0,
 }
-FLEX_DESIGNS = {"alibi", "kerple", "fire", "fox", "hybrid"}  # score biases, the hybrid's window
+# FlexAttention on a GPU: the score biases (FoX Pro's forget gate too) and the hybrid's window. PoPE runs
+# SDPA, stick-breaking its own kernel, and a model with attention sinks their explicit chunks (`flex`).
+FLEX_DESIGNS = {"alibi", "kerple", "fire", "fox", "fox_pro", "hybrid"}
 DECODE_STEP_S = 0.005  # a 350M decoding step at batch 1: kernel launches, not FLOPs (24 layers x ~15 kernels)
+# Seconds a training step beside the FLOPs: stick-breaking's kernel runs eagerly, 64 query rows at a time,
+# ~27k small kernels a step (8 chunks x 24 layers x 2 micro-batches x ~70: a chunk's forward twice under
+# activation checkpointing, its backward) at ~10 us each.
+EAGER_STEP_S = {"stick_breaking": 0.3}
+
+
+def flex(variant: str) -> bool:
+    """Whether a variant (`<design>+<modifier>...`) runs FlexAttention on a GPU: its design does, and no
+    attention sinks take it to their explicit chunks instead (model/sink_attention.py)."""
+    design, *modifiers = variant.split("+")
+    return design in FLEX_DESIGNS and "sinks" not in modifiers
 
 
 def flops_per_token(n_layer=24, n_embd=1024, ffn=4096, vocab=4096, seq=512) -> float:
@@ -323,29 +336,32 @@ def flops_per_token(n_layer=24, n_embd=1024, ffn=4096, vocab=4096, seq=512) -> f
 
 def estimate(args) -> int:
     """Per stage: its model FLOPs, the seconds they take at TRAIN_MFU of an H200, the fixed costs, and
-    the total against the budget; the trainer's designs run `parallel` at a time (the GPU's work
+    the total against the budget; the trainer's variants run `parallel` at a time (the GPU's work
     adds up, the processes' fixed costs overlap on the CPUs)."""
     designs = args.designs.split()
     step_flops = args.batch * 512 * flops_per_token() * 4 / 3  # activation checkpointing: one more forward
     step_s = step_flops / (H200_BF16 * TRAIN_MFU)
 
-    def trainer(design: str, checkpoints: int = 0) -> float:
-        return (COSTS["start"] + COSTS["engine"] + COSTS["flex_train"] * (design in FLEX_DESIGNS)
+    def trainer(variant: str, checkpoints: int = 0) -> float:
+        return (COSTS["start"] + COSTS["engine"] + COSTS["flex_train"] * flex(variant)
                 + checkpoints * COSTS["checkpoint"])
+
+    def work(variant: str, steps: int) -> float:
+        return steps * (step_s + EAGER_STEP_S.get(variant.split("+")[0], 0.0))
 
     rows = [("env", 0.0, COSTS["env"], "install, import")]
     first, rest = designs[0], designs[1:]
     waves = [rest[i : i + args.parallel] for i in range(0, len(rest), args.parallel)]  # gpu_check.sh's order
-    train_s = trainer(first, 2) + args.steps * step_s
-    train_s += sum(max(trainer(d) for d in wave) + len(wave) * args.steps * step_s for wave in waves)
+    train_s = trainer(first, 2) + work(first, args.steps)
+    train_s += sum(max(trainer(d) for d in wave) + sum(work(d, args.steps) for d in wave) for wave in waves)
     rows.append((f"z2 x {len(designs)}", len(designs) * args.steps * step_flops, train_s,
                  f"{first} alone (tokenizer, checkpoints), then the other {len(rest)}, {args.parallel} at a time"))
     after = args.steps - args.resume_at
-    rows.append(("resume", after * step_flops, trainer(first, 1) + after * step_s, f"from step {args.resume_at}"))
+    rows.append(("resume", after * step_flops, trainer(first, 1) + work(first, after), f"from step {args.resume_at}"))
     gen_flops = 2 * len(designs) * (args.prompt + args.new) * flops_per_token() / 3  # forward: 2N per token
     gen_s = COSTS["start"] + len(designs) * 2 * (args.new * DECODE_STEP_S + 0.5)
-    gen_s += sum(2 * COSTS["flex_forward"] for d in designs if d in FLEX_DESIGNS)
-    rows.append(("generation", gen_flops, gen_s, "every design, fp32 and bf16, greedy over the KV cache"))
+    gen_s += sum(2 * COSTS["flex_forward"] for d in designs if flex(d))
+    rows.append(("generation", gen_flops, gen_s, "every variant, fp32 and bf16, greedy over the KV cache"))
     for name in ("bench_train", "bench_attention", "bench_doc_mask"):
         rows.append((name, 0.0, COSTS[name], "fixed costs and compiles dominate"))
     if args.gpus >= 2:
@@ -391,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--note")
     p.add_argument("--meta", action="append", help="key=value stored with the stage")
     p = sub.add_parser("estimate", help="the check's time on an H200, per stage, from FLOPs and fixed costs")
-    p.add_argument("--designs", required=True, help="the trainer's designs, space-separated")
+    p.add_argument("--designs", required=True, help="the trainer's variants, <design>[+<modifier>...], space-separated")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--resume-at", type=int, required=True)
     p.add_argument("--batch", type=int, required=True, help="sequences of 512 tokens per optimizer step")

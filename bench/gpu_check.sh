@@ -13,15 +13,15 @@
 # longer fits in the budget is skipped and says so):
 #   env           install the carried wheels into $SITE (no network there), print versions
 #   z2_<design>   the real trainer (`python -m train`) on the 350M paper preset (512 tokens, bf16,
-#                 activation checkpointing) of each of the ten designs ($VARIANTS: the paper's presets
-#                 for origin, alibi, coca, coca_strict; paper_350m_origin with the design's attention
-#                 for the others), stdlib corpus, ZeRO 2, $STEPS steps (15) logged every step; the first
-#                 alone (it trains the tokenizer and checkpoints at $RESUME_AT and the end), then the
-#                 rest $PARALLEL (5) at a time on the one GPU (their FlexAttention compiles overlap on
-#                 the CPUs); checks the loss falls by 5% and every value is finite
+#                 activation checkpointing) of each of the thirteen designs and one modifier row
+#                 ($VARIANTS, `preset` below), stdlib corpus, ZeRO 2, $STEPS steps (15) logged every
+#                 step; the first alone (it trains the tokenizer and checkpoints at $RESUME_AT and the
+#                 end), then the rest $PARALLEL at a time on the one GPU (as many as its memory holds:
+#                 all 13 on an H200; their FlexAttention compiles overlap on the CPUs); checks the loss
+#                 falls by 5% and every value is finite
 #   resume        a new run from the first design's step-$RESUME_AT checkpoint: its first step must be
 #                 $RESUME_AT + 1 with the uninterrupted run's loss (relative 2e-3 in bf16)
-#   generation    python -m bench.generation: every design's 350M model, fp32 and bf16 autocast, a
+#   generation    python -m bench.generation: every variant's 350M model, fp32 and bf16 autocast, a
 #                 512-token prompt and 32 greedy tokens over the KV cache; the last cached step's
 #                 logits must equal a full forward's (the KV-cache bias path)
 #   bench_train   python -m bench.train: ours vs HF GPT-NeoX at 125m (vocabulary 50304), 350m MFU
@@ -51,8 +51,15 @@ work=${WORK:-${TMPDIR:-/tmp}/coca_gpu_check}
 wheels=${WHEELS:-.whl}
 site=${SITE:-/tmp/coca_site}
 # Every design of the registry: the baseline first (it is resumed), the FlexAttention ones next (their
-# compiles overlap in one wave), then the rest.
-variants=${VARIANTS:-"origin alibi kerple fire fox hybrid coca coca_strict nope prope"}
+# compiles overlap in one wave), then the rest; last one modifier row, `<design>+<modifier>...`: Origin
+# with attention sinks, SSMax and QK-norm at once. Each is GPU code of its own (sinks: the explicit sink
+# chunks, as FlexAttention cannot add their column; SSMax: q scaled by each query's key count; QK-norm:
+# RMSNorm of q and k) and they compose in one layer, so one run covers the three for one process's cost
+# (tests/test_model_modifiers.py checks each alone and all three against their definitions on a CPU).
+# Not here: the hybrid with RoPE global layers (Gemma 3's layout), whose kernels are the hybrid's
+# (FlexAttention windows, SDPA global layers); only its global layers' RoPE base differs, which the CPU
+# tests check (tests/test_model_hybrid_global.py).
+variants=${VARIANTS:-"origin alibi kerple fire fox fox_pro hybrid coca coca_strict nope prope pope stick_breaking origin+sinks+ssmax+qk_norm"}
 first=${variants%% *}
 only=${STAGES:-}
 py=python3
@@ -61,6 +68,9 @@ mkdir -p "$out"
 rm -f "$out"/{estimate.md,summary.md,results.jsonl,metrics.jsonl,bench.md,env.txt,log.txt}
 rm -rf "$work/runs" "$work/logs"  # the tokenizer cache ($work/cache) may stay: it is keyed by its spec
 mkdir -p "$work/logs" "$work/runs"
+# The GPUs here and the first one's memory in GiB (0 0 on a CPU).
+read -r gpus gpu_gib < <("$py" -c "import torch; n = torch.cuda.device_count()
+print(n, n and torch.cuda.get_device_properties(0).total_memory >> 30)" 2>/dev/null || echo 0 0)
 
 if [ "$dry" = 1 ]; then
   # CPU: the presets' attention and training path, the tiny model at 64 tokens, fp32, 8 steps, one at a time.
@@ -75,13 +85,21 @@ if [ "$dry" = 1 ]; then
   bench_doc_mask=(--lengths 128 --repeats 1 --heads 2 --tokens 256 --attentions origin alibi --vocab-size 512 --memory-repeats 1
                 --sample-docs 60)
   bench_sp=(--lengths 256 512 --width 64 --heads 2)
-  gpu_path=(--designs alibi fox hybrid --flex)  # a distance bias, a gated bias, a window (all ten: tests/test_gpu_path.py)
+  gpu_path=(--designs alibi fox hybrid --flex)  # a distance bias, a gated bias, a window (all: tests/test_gpu_path.py)
   caps=(env=90 train=180 bench=300)  # generous: only a hang should reach them on a busy CPU
 else
   # The preset's model (350m, 512 tokens, bf16, activation checkpointing) and micro batch of 16,
   # 2 micro-batches per optimizer step (32 x 512 = 16,384 tokens).
   budget=${BUDGET_S:-480}; steps=${STEPS:-15}; resume_at=${RESUME_AT:-10}; tol=2e-3; min_stage=20
-  parallel=${PARALLEL:-5}
+  # Trainer processes at a time: as many as the GPU's memory holds at 10 GiB each. One 350M process
+  # under ZeRO 2 on one rank holds ~6.6 GB of model states (bf16 weights 0.6, fp32 master weights 1.2,
+  # Adam's moments 2.5, the fp32 gradient partition 1.2, DeepSpeed's reduce bucket of 5e8 bf16 elements
+  # 1.0), ~1 GB of activations (the checkpointed layer inputs 0.4, one layer recomputed in backward, a
+  # 64 MB chunk of logits) and its CUDA context (~0.5): ~8 GB, 10 GiB with the caching allocator's
+  # slack (none of it measured yet). An H200 (~139 GiB) holds 13: every variant after the first in one
+  # wave, the only way the estimate fits 480 s; an H100 (~79 GiB) holds 7, two waves, and the estimate
+  # then runs past the budget (the last stages are skipped, saying so).
+  parallel=${PARALLEL:-$(( gpu_gib >= 20 ? gpu_gib / 10 : 1 ))}
   # Four loader workers (of 16 CPUs) so that tokenizing never limits tokens/s.
   size=(batch_size=32 micro_batch_size=16 optim.warmup_steps=5 data.num_workers=4)
   generation=(--flavor 350m --prompt 512 --new 32)
@@ -98,7 +116,6 @@ common=(data=stdlib logger=none logger.progress=false logger.log_every=1 "data.c
 t0=$SECONDS
 reserve=10
 failed=0
-gpus=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
 report() { "$py" bench/gpu_check.py record "$out" "$@" >> "$out/log.txt" 2>&1 || true; tail -n 1 "$out/log.txt"; }
 wanted() { [ -z "$only" ] || [ "$1" = env ] || [[ " $only " == *" $1 "* ]]; }
@@ -106,7 +123,7 @@ wanted() { [ -z "$only" ] || [ "$1" = env ] || [[ " $only " == *" $1 "* ]]; }
 # ---- the estimate, before anything runs ------------------------------------------------------------
 # Of the GPU run (the dry run's own steps and budget are the CPU stand-ins').
 est=(--steps "$steps" --resume-at "$resume_at" --parallel "$parallel" --budget "$budget")
-[ "$dry" = 1 ] && est=(--steps 15 --resume-at 10 --parallel 5 --budget 480)
+[ "$dry" = 1 ] && est=(--steps 15 --resume-at 10 --parallel 13 --budget 480)  # on an H200
 "$py" bench/gpu_check.py estimate --designs "$variants" --batch 32 --gpus "$gpus" "${est[@]}" | tee "$out/estimate.md"
 [ "$dry" = 1 ] && echo "(dry run: the estimate is of the GPU run; this CPU runs the stand-ins below)" | tee -a "$out/estimate.md"
 
@@ -138,12 +155,17 @@ stage() { launch "$@" || return 1; finish "$1"; }
 
 free_port() { "$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 
-# The overrides that train design $1 on its 350M preset: the paper's own where it has one.
+# The overrides that train variant $1 (a design's registry key, then any +modifiers) on its 350M preset:
+# the paper's own where it has one, else paper_350m_origin with the design's attention (and FoX Pro's form).
 preset() {
-  case "$1" in
-    origin|alibi|coca|coca_strict) echo "experiment=paper_350m_$1" ;;
-    *) echo "experiment=paper_350m_origin model.attention=$1 name=paper_350m_$1" ;;
+  local design=${1%%+*} modifier
+  case "$design" in
+    origin|alibi|coca|coca_strict) printf '%s' "experiment=paper_350m_$design" ;;
+    fox_pro) printf '%s' "experiment=paper_350m_origin model.attention=fox model.design_params.fox.form=pro" ;;
+    *) printf '%s' "experiment=paper_350m_origin model.attention=$design" ;;
   esac
+  for modifier in $(tr + ' ' <<< "${1#"$design"}"); do printf ' %s' "model.$modifier=true"; done
+  echo " name=paper_350m_${1//+/_}"
 }
 
 # ---- env -----------------------------------------------------------------------------------------

@@ -38,7 +38,9 @@ def sink_attention(q, k, v, sinks: torch.Tensor, bias: LayerBias | None = None,
     (`takes_gpu_path`) takes the explicit chunks, never FlexAttention."""
     if documents is not None:
         return _document_sinks(q, k, v, sinks, bias, documents, window, kernel)
-    flash = not takes_gpu_path(q, kernel) and q.dtype in (torch.float32, torch.float64) and not window
+    # The CPU kernels take one dtype; under bf16 autocast a RoPE design's q and k are fp32 and v bf16.
+    same_dtype = q.dtype in (torch.float32, torch.float64) and k.dtype == v.dtype == q.dtype
+    flash = not takes_gpu_path(q, kernel) and same_dtype and not window
     if flash and bias is None and q.shape[-2] == k.shape[-2]:
         return _SinkFlash.apply(q, k, v, sinks)
     if flash and bias is not None and bias.module.separable:  # ALiBi, FoX: the fused key-bias kernel

@@ -30,10 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "bench" / "gpu_check.sh").read_text()
 DEFAULT_VARIANTS = re.search(r'variants=\$\{VARIANTS:-"([^"]+)"\}', SCRIPT).group(1).split()
 # Three of the GPU run's fourteen variants: Origin, resumed, on its paper preset; FoX Pro, without a preset
-# of its own (paper_350m_origin with its attention and form); and the modifier row without its sinks, which
-# fail in bf16 generation on a CPU (a bug outside the check: autocast leaves a RoPE design's q float32 and v
-# bf16, and model/sink_attention.py sends them to its float32 fused kernel; a GPU takes the explicit chunks).
-VARIANTS = ("origin", "fox_pro", "origin+ssmax+qk_norm")
+# of its own (paper_350m_origin with its attention and form); and the modifier row.
+VARIANTS = ("origin", "fox_pro", "origin+sinks+ssmax+qk_norm")
 STAGES = ["env", *(f"z2_{v}" for v in VARIANTS), "resume", "generation", "bench_train", "bench_attention",
           "bench_doc_mask", "bench_sequence_parallel", "gpu_path", "bench_train_compiled"]
 OUT_FILES = {"estimate.md", "summary.md", "results.jsonl", "metrics.jsonl", "bench.md", "env.txt", "log.txt"}

@@ -18,7 +18,8 @@
 #   launch/reproduce_study.sh --print-eval                 # print the evaluation settings and exit
 #
 # Environment: RUNS (default runs/study), DESIGNS (default "origin coca coca_strict alibi": keys of
-# model/designs/registry.py), FAMILY (the pre-registration whose `seeds` size each design and whose
+# model/designs/registry.py, or variants the family file defines: launch/study_design.py; a
+# continuation waits for its source run of the same seed, which must be trained in RUNS), FAMILY (the pre-registration whose `seeds` size each design and whose
 # family the report tests, default conf/study/comparisons.yaml), PRESET (the training preset, default
 # study: conf/experiment/study_<design>.yaml where it exists, else study_origin with the design's
 # settings; any other preset, e.g. study_ppl, is trained with the design's settings), TASK (the
@@ -65,15 +66,25 @@ published_run() {  # design seed: the folder of its published run (RESULTS, then
 }
 
 one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, where set -e is off
-  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2" published="${RESULTS:+$RESULTS/$1_s$2}" preset scalings
+  local design=$1 seed=$2 run_dir="$RUNS/$1_s$2" published="${RESULTS:+$RESULTS/$1_s$2}" preset scalings source start
   shift 2
   if [ -n "$(published_run "$design" "$seed")" ]; then return 0; fi
   if [ ! -f "$run_dir/DONE" ]; then
     preset=$(training_args "$design") || return 1
+    source=$(source_of "$design") || return 1
+    start=resume=auto
+    if [ -n "$source" ] && ! compgen -G "$run_dir/checkpoints/step_*" > /dev/null; then
+      # A continuation starts from its source run of this seed (trained here), then resumes itself.
+      if [ ! -f "$RUNS/${source}_s$seed/DONE" ]; then
+        echo "error: $design continues $RUNS/${source}_s$seed, which has not finished training here" >&2
+        return 1
+      fi
+      rm -rf "$run_dir" && start=init_from="$RUNS/${source}_s$seed"
+    fi
     mkdir -p "$run_dir" && machine >> "$run_dir/machine.txt"
     # shellcheck disable=SC2086  # one override per word
     python -m train $preset run_dir="$run_dir" name="${PRESET}_${design}_s$seed" seed="$seed" \
-      data.seed="$seed" resume=auto logger.progress=false ${STEPS:+max_steps=$STEPS} "$@" || return 1
+      data.seed="$seed" "$start" logger.progress=false ${STEPS:+max_steps=$STEPS} "$@" || return 1
     touch "$run_dir/DONE"
   fi
   if [ ! -f "$run_dir/eval/DONE" ]; then
@@ -116,6 +127,8 @@ for item in "${plan[@]}"; do
   read -r design seed <<< "$item"
   if [ -n "$(published_run "$design" "$seed")" ]; then continue; fi  # published: keep its log
   while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+  source=$(source_of "$design") || exit 2  # a continuation waits for its source run of this seed
+  while [ -n "$source" ] && [ ! -f "$RUNS/${source}_s$seed/DONE" ] && [ -n "$(jobs -rp)" ]; do wait -n || true; done
   echo "== $design seed $seed -> $RUNS/${design}_s$seed (log: $RUNS/logs/${design}_s$seed.log)"
   ( one_run "$design" "$seed" "$@" > "$RUNS/logs/${design}_s$seed.log" 2>&1 \
       || echo "== FAILED: $design seed $seed (see $RUNS/logs/${design}_s$seed.log)" ) &

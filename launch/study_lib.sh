@@ -1,25 +1,20 @@
 # Functions the study launchers share (sourced, not run): how a design is trained on a preset, which
-# RoPE scalings it is evaluated with, and the line naming the machine a run trained on.
-# training_args reads PRESET (study: conf/experiment/study_<design>.yaml where it exists, else
+# RoPE scalings it is evaluated with, and the line naming the machine a run trained on. A design is
+# a registry key or a variant of the family file (launch/study_design.py says how both are read).
+# training_args reads FAMILY, PRESET (study: conf/experiment/study_<design>.yaml where it exists, else
 # study_origin with the design's settings; any other preset with the design's settings);
-# scalings_of reads SCALINGS.
+# scalings_of reads FAMILY and SCALINGS; source_of reads FAMILY.
 
 training_args() {  # design: the experiment and the design's settings, one argument per line
-  if [ "$PRESET" = study ] && [ -f "conf/experiment/study_$1.yaml" ]; then echo "experiment=study_$1"; return; fi
-  if [ "$PRESET" = study ]; then echo "experiment=study_origin"; else echo "experiment=$PRESET"; fi
-  python -c 'import sys
-from model.designs.registry import DESIGNS
-design = DESIGNS.get(sys.argv[1])
-if design is None:
-    sys.exit("error: unknown design " + sys.argv[1] + " (one of: " + ", ".join(DESIGNS) + ")")
-print("\n".join(design.overrides()))' "$1"
+  python launch/study_design.py args "${FAMILY:-}" "$PRESET" "$1"
 }
 
 scalings_of() {  # design: the RoPE scalings it is evaluated with (as trained only without RoPE)
-  python -c 'import sys
-from model.designs.registry import DESIGNS
-design = DESIGNS.get(sys.argv[1], DESIGNS["origin"])  # a preset of its own (text): Origin
-print(sys.argv[2] if design.rope else "[none]")' "$1" "$SCALINGS"
+  python launch/study_design.py scalings "${FAMILY:-}" "$1" "$SCALINGS"
+}
+
+source_of() {  # design: the design whose run of the same seed it continues, or nothing
+  python launch/study_design.py source "${FAMILY:-}" "$1"
 }
 
 machine() {  # one line per training start (fp32 training differs by CPU)

@@ -152,6 +152,61 @@ def test_perplexity_study_shortened(tmp_path: Path) -> None:
     assert not (results / "bar_only").exists()
 
 
+TINY_VARIANTS = """metric: ppl_ratio
+lengths: [512]
+variants:
+  origin_sinks: {design: origin, overrides: [model.sinks=true]}
+  drope: {design: nope, preset: drope_ppl, continues: origin}
+comparisons:
+  - {a: origin_sinks, b: origin, scaling: none}
+  - {a: drope, b: origin, scaling: none}
+alpha: 0.05
+adjust: holm
+interval: cluster_bootstrap
+bootstrap_resamples: 200
+test: exact_permutation_over_seeds
+seeds: {origin: 2, origin_sinks: 1, drope: 2}
+"""
+
+
+@pytest.mark.slow
+def test_study_variants_and_continuations(tmp_path: Path) -> None:
+    """A family file's variants: a registry design with overrides of its own, and a continuation that
+    starts from the Origin run of its seed (waiting for it: the two run two at a time) with another
+    preset; the report tests the family under the variants' names."""
+    family = tmp_path / "family.yaml"
+    family.write_text(TINY_VARIANTS)
+    results = tmp_path / "results"
+    run_script("reproduce_perplexity.sh", tmp_path, DESIGNS="origin origin_sinks drope", STEPS="3",
+               FAMILY=str(family), RESULTS=str(results), EVAL="ppl.lengths=[256,512] ppl.n_docs=1")
+    assert sorted(p.name for p in tmp_path.glob("*_s[0-9]")) == [
+        "drope_s1", "drope_s2", "origin_s1", "origin_s2", "origin_sinks_s1"]
+    sinks = (tmp_path / "origin_sinks_s1" / "config.yaml").read_text()
+    assert "attention: origin" in sinks and "sinks: true" in sinks and "name: study_ppl_origin_sinks_s1" in sinks
+    for seed in (1, 2):
+        cfg = (tmp_path / f"drope_s{seed}" / "config.yaml").read_text()
+        assert "attention: nope" in cfg and "qk_norm: true" in cfg and "kind: synthetic" not in cfg
+        assert f"init_from: {tmp_path}/origin_s{seed}" in cfg
+        rows = json.loads((results / f"drope_s{seed}" / "ppl.json").read_text())["rows"]
+        assert {r["scaling"] for r in rows} == {"none"}
+    with open(results / "seeds_family.csv") as f:
+        family_rows = list(csv.DictReader(f))
+    assert [(r["a"], r["b"], r["tested"]) for r in family_rows] == [
+        ("origin_sinks", "origin", "True"), ("drope", "origin", "True")]
+
+
+def test_unknown_study_design_is_named(tmp_path: Path) -> None:
+    """A design that is neither a registry key nor one of the family's variants stops the launcher
+    before anything trains, naming the designs it knows."""
+    family = tmp_path / "family.yaml"
+    family.write_text(TINY_VARIANTS)
+    result = subprocess.run(["bash", "launch/reproduce_perplexity.sh"], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "RUNS": str(tmp_path), "FAMILY": str(family), "DESIGNS": "origin_sink",
+                                 "SEEDS": "1", "WANDB_MODE": "disabled"}, timeout=120)
+    assert "unknown design origin_sink" in result.stdout + result.stderr and "origin_sinks" in result.stderr
+    assert not list(tmp_path.glob("*/config.yaml"))
+
+
 @pytest.mark.slow
 def test_new_designs_compared_with_published_origin_runs(tmp_path: Path) -> None:
     """With PUBLISHED set, the retrieval arm for new designs trains only them (the study's preset with

@@ -330,14 +330,19 @@ def figure(runs: Sequence[DoseRun], reference: Sequence[DoseRun], length: int, t
                             mfc="none", color=color, capsize=3,
                             label=f"{design}, reference runs (cosine)" if i == 0 else None)
         ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.set_xticks(sorted({r.tokens_per_param for r in runs}))  # one tick per dose
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:.3g}"))
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("training tokens per non-embedding parameter")
         ax.set_title("as trained" if scaling == NONE else f"+ {scaling}")
         ax.axhline(1.0, color="0.6", lw=0.8, ls=":")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"perplexity at {length} / at {train_len}")
-    axes[0][-1].legend(fontsize=7, loc="best")
+    legend: dict = {}  # every panel's entries once: a design trained at one dose may be in one panel only
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    axes[0][0].legend(legend.values(), legend.keys(), fontsize=7, loc="upper left")
     fig.tight_layout()
     return fig
 

@@ -81,11 +81,15 @@ def test_published_seed_report_regenerates_from_the_committed_runs(name, tmp_pat
             assert (tmp_path / file).read_bytes() == (published / file).read_bytes(), f"docs/results/{name}/{file}"
 
 
-def _family_rows(markdown: str) -> list[str]:
-    """The rows of every Markdown table whose header starts with the family table's header."""
+SEEDS_FAMILY_HEADER = "| a | b | scaling | length | seeds a |"
+DOSE_FAMILY_HEADER = "| test | a | b | dose |"
+
+
+def _family_rows(markdown: str, header: str = SEEDS_FAMILY_HEADER) -> list[str]:
+    """The rows of every Markdown table whose header starts with `header` (a family table's)."""
     rows, inside = [], False
     for line in markdown.splitlines():
-        if line.startswith("| a | b | scaling | length | seeds a |"):
+        if line.startswith(header):
             inside = True
         elif inside and line.startswith("|") and not line.startswith("|---"):
             rows.append(line)
@@ -101,6 +105,14 @@ def test_results_doc_quotes_the_family_tables_of_the_published_reports():
     assert quoted, "docs/RESULTS.md quotes no family table"
     missing = [row for row in quoted if row not in published]
     assert not missing, f"docs/RESULTS.md rows not in any published seeds_report.md: {missing}"
+
+
+def test_results_doc_quotes_the_dose_family_of_the_published_report():
+    """The dose-response family RESULTS.md shows is, row for row, the published dose_report.md's."""
+    quoted = _family_rows((REPO / "docs" / "RESULTS.md").read_text(), DOSE_FAMILY_HEADER)
+    published = _family_rows((RESULTS / "dose" / "dose_report.md").read_text(), DOSE_FAMILY_HEADER)
+    assert quoted, "docs/RESULTS.md quotes no dose family table"
+    assert quoted == published
 
 
 def test_published_dose_report_regenerates_from_the_committed_runs(tmp_path):

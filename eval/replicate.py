@@ -5,7 +5,10 @@ retraining on another machine or after a code change), compared case for case.
 
 Passkey: the two must hold the same prompts (scaling, length, depth, key); then every case's
 predicted tokens are compared and the cases that differ are listed. Perplexity: the relative
-difference per row. Exit status 0 when every passkey prediction agrees, 1 otherwise.
+difference per row. Exit status 0 when the two agree, 1 otherwise: with passkey evaluations, when
+every passkey prediction agrees; with perplexity alone (the perplexity study's runs), when every
+row agrees to `PPL_AGREEMENT` (one model evaluated on two instruction sets differs by about 1e-6:
+the float32 forward's rounding; a retraining that is not bitwise the same run differs by more).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from data.config import DataError
 from eval.results import load_results
 
 PROMPT = ("scaling", "length", "depth", "key")
+PPL_AGREEMENT = 1e-5  # largest relative difference of a perplexity row that counts as the same
 
 
 def passkey_differences(a: dict, b: dict) -> tuple[int, list[str]]:
@@ -52,22 +56,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         a, b = load_results(args.a), load_results(args.b)
-        if "passkey" not in a or "passkey" not in b:
-            raise DataError("both folders need a passkey.json")
-        n, differing = passkey_differences(a["passkey"], b["passkey"])
+        if not ({"passkey", "ppl"} & a.keys() & b.keys()):
+            raise DataError("the two folders hold no evaluation of the same kind (passkey.json or ppl.json)")
+        passkey = "passkey" in a and "passkey" in b
+        n, differing = passkey_differences(a["passkey"], b["passkey"]) if passkey else (0, [])
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"passkey: {n - len(differing)} of {n} cases predict the same tokens")
-    for line in differing:
-        print(f"  {line}")
+    if passkey:
+        print(f"passkey: {n - len(differing)} of {n} cases predict the same tokens")
+        for line in differing:
+            print(f"  {line}")
     if "ppl" in a and "ppl" in b:
         diffs = ppl_differences(a["ppl"], b["ppl"])
         worst = max(diffs, key=lambda d: abs(d[2]))
         print(f"perplexity: {len(diffs)} rows, largest relative difference {worst[2]:+.2e} "
               f"({worst[0]}, {worst[1]} tokens)")
+        if not passkey:
+            differing = [d for d in diffs if abs(d[2]) > PPL_AGREEMENT]
+            for scaling, length, diff in diffs:
+                print(f"  {scaling}, {length} tokens: {diff:+.2e}")
+            print(f"{len(diffs) - len(differing)} of {len(diffs)} rows agree to {PPL_AGREEMENT:g}")
     return 0 if not differing else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

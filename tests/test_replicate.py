@@ -44,3 +44,25 @@ def test_other_prompts_are_an_error_not_a_comparison(tmp_path, capsys):
     other = PUBLISHED.with_name("origin_s2")
     assert replicate.main([str(PUBLISHED), str(other)]) == 2
     assert "case 0: different prompts" in capsys.readouterr().err
+
+
+PERPLEXITY = PUBLISHED.parents[1] / "perplexity" / "origin_s1"
+
+
+def test_perplexity_alone_is_compared_row_by_row(tmp_path, capsys):
+    """The perplexity study's runs have no passkey.json: their rows decide, to PPL_AGREEMENT."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    ppl = json.loads((PERPLEXITY / "ppl.json").read_text())
+    (copy / "ppl.json").write_text(json.dumps(ppl))
+    assert replicate.main([str(PERPLEXITY), str(copy)]) == 0
+    assert f"{len(ppl['rows'])} of {len(ppl['rows'])} rows agree" in capsys.readouterr().out
+    ppl["rows"][2]["ppl"] *= 1 + 2 * replicate.PPL_AGREEMENT
+    (copy / "ppl.json").write_text(json.dumps(ppl))
+    assert replicate.main([str(PERPLEXITY), str(copy)]) == 1
+    assert f"{len(ppl['rows']) - 1} of {len(ppl['rows'])} rows agree" in capsys.readouterr().out
+
+
+def test_evaluations_of_different_kinds_are_an_error(tmp_path, capsys):
+    assert replicate.main([str(PERPLEXITY), str(tmp_path)]) == 2
+    assert "no evaluation of the same kind" in capsys.readouterr().err

@@ -501,6 +501,21 @@ def test_two_ranks_equal_one_process_on_the_same_global_batches(two_ranks, stage
         assert replayed[step] == pytest.approx(logged[step], abs=1e-5), (stage, step, replayed[step], logged[step])
 
 
+def test_zero3_recomputes_qk_norms_projections_with_gathered_weights(cache, tmp_path):
+    """`model.qk_norm` recomputes its projections and norms in backward (torch's checkpoint, to keep
+    Origin's memory); under ZeRO-3 their partitioned weights must be gathered again there. The
+    two-rank run equals a one-process replay of its global batches to 1e-5 at every step."""
+    run_dir = tmp_path / "run"
+    ok(train_two_ranks(run_dir, cache, "deepspeed=zero3", "micro_batch_size=2", "model.qk_norm=true", *SHORT))
+    cfg = to_train_config(OmegaConf.load(run_dir / "config.yaml"))
+    assert cfg.model.qk_norm
+    replayed = _replay(cfg, _logged_batches(run_dir, (0, 1), range(1, cfg.max_steps + 1)))
+    logged = losses(run_dir)
+    assert sorted(replayed) == sorted(logged) == list(range(1, 9))
+    for step in logged:
+        assert replayed[step] == pytest.approx(logged[step], abs=1e-5), (step, replayed[step], logged[step])
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_on_one_rank_then_on_two_again(two_ranks, cache, tmp_path, stage):
     """Elastic resume: the two-rank run's step-4 checkpoint continues on one process to step 6

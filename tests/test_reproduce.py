@@ -106,18 +106,20 @@ def test_study_shortened(tmp_path: Path) -> None:
     assert (tmp_path / "results" / "seeds_summary.csv").read_text() == summary
 
 
+# the statistics of a tiny study family (few resamples)
+TINY_TESTS = """alpha: 0.05
+adjust: holm
+interval: cluster_bootstrap
+bootstrap_resamples: 200
+test: exact_permutation_over_seeds
+"""
+
 TINY_PERPLEXITY = """metric: ppl_ratio
 lengths: [512]
 comparisons:
   - {a: nope, b: origin, scaling: none}
   - {a: coca_strict, b: origin, scaling: "dynamic:8"}
-alpha: 0.05
-adjust: holm
-interval: cluster_bootstrap
-bootstrap_resamples: 200
-test: exact_permutation_over_seeds
-seeds: {origin: 2, nope: 2, coca_strict: 1}
-"""
+""" + TINY_TESTS + "seeds: {origin: 2, nope: 2, coca_strict: 1}\n"
 
 
 @pytest.mark.slow
@@ -160,13 +162,7 @@ variants:
 comparisons:
   - {a: origin_sinks, b: origin, scaling: none}
   - {a: drope, b: origin, scaling: none}
-alpha: 0.05
-adjust: holm
-interval: cluster_bootstrap
-bootstrap_resamples: 200
-test: exact_permutation_over_seeds
-seeds: {origin: 2, origin_sinks: 1, drope: 2}
-"""
+""" + TINY_TESTS + "seeds: {origin: 2, origin_sinks: 1, drope: 2}\n"
 
 
 @pytest.mark.slow

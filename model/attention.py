@@ -195,6 +195,9 @@ class CausalSelfAttention(nn.Module):
         self.pro = pro(cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd, cfg.layernorm_eps) if pro else None
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.kernel = cfg.kernel  # `takes_gpu_path`
+        # the norms' and shifts' activations are recomputed in backward (below), unless the whole block
+        # already is (`model.activation_checkpointing`: a second recomputation would save nothing)
+        self.recompute = (cfg.qk_norm or pro is not None) and not cfg.activation_checkpointing
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, H, T, D]; k (or CoCA's t) and v [B, n_kv_head, T, D]."""
@@ -230,7 +233,7 @@ class CausalSelfAttention(nn.Module):
         q_scale: each query's score multiplier ([T, 1] or [B, 1, T, 1]: the length temperature).
         key_counts: the keys each query attends to ([T] or [B, T], before a window), for SSMax."""
         B, T, C = x.shape
-        if (self.q_norm is not None or self.pro is not None) and cache is None:
+        if self.recompute and cache is None:
             # recomputed in backward from x, which the projections keep anyway: autograd would keep each
             # norm's and shift's input and output (QK-norm 1.35x Origin's memory at 8K, FoX Pro 1.8x)
             q, k, v = _recomputed(self._inputs, x, None, documents)
@@ -271,7 +274,7 @@ class CausalSelfAttention(nn.Module):
         if sp is not None:
             y = sp.to_sequence(y)
         if self.pro is not None:  # recomputed in backward as the inputs are (from x and y, kept anyway)
-            y = _recomputed(self.pro.output, x[:, -T:], y)
+            y = _recomputed(self.pro.output, x[:, -T:], y) if self.recompute else self.pro.output(x[:, -T:], y)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
     def _pro_inputs(self, x, q, k, v, cache: LayerCache | None, documents: Documents | None):

@@ -235,11 +235,14 @@ def test_capture_qk_carries_each_layers_sinks_for_the_attention_statistics():
     assert all(c.sinks is None for c in gpt("origin").capture_qk(IDX))
 
 
-@pytest.mark.parametrize("attention", ["origin", "fox"])
-def test_activation_checkpointing_gives_the_same_gradients(attention):
+@pytest.mark.parametrize("attention, settings", [
+    ("origin", dict(qk_norm=True)), ("fox", dict(qk_norm=True)), ("fox", dict(design_params={"fox": {"form": "pro"}}))])
+def test_activation_checkpointing_gives_the_same_gradients(attention, settings):
+    """With the whole block recomputed, QK-norm and FoX Pro skip their own recomputation: same gradients."""
     grads = []
     for remat in (False, True):
-        model = gpt(attention, sinks=True, ssmax=True, activation_checkpointing=remat).train()
+        model = gpt(attention, sinks=True, ssmax=True, activation_checkpointing=remat, **settings).train()
+        assert model.h[0].attn.recompute != remat
         model(IDX, targets=IDX).backward()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):

@@ -30,7 +30,8 @@ def reference(q, k, v, head_bias, documents=None):
     Tk = k.shape[-2]
     group = H // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    beta = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(D))  # [B, H, Tq, Tk]
+    z = q @ k.transpose(-1, -2) / math.sqrt(D)
+    beta, unbroken = torch.sigmoid(z), torch.sigmoid(-z)  # [B, H, Tq, Tk]; 1 - beta without its cancellation
     rows = []
     for r in range(Tq):
         i = Tk - Tq + r
@@ -43,7 +44,7 @@ def reference(q, k, v, head_bias, documents=None):
             kept = torch.ones(B, H, dtype=q.dtype)
             for m in range(j + 1, i):
                 other = 1.0 if documents is None else (documents[:, m] == documents[:, i]).to(q.dtype)[:, None]
-                kept = kept * (1 - other * beta[:, :, r, m])
+                kept = kept * (other * unbroken[:, :, r, m] + (1 - other))  # 1 - beta, or 1 if absent
             row[j] = same * beta[:, :, r, j] * kept
         rows.append(torch.stack(row, dim=-1))
     A = torch.stack(rows, dim=-2)  # [B, H, Tq, Tk]
@@ -83,6 +84,43 @@ def test_kernel_output_and_gradients_match_the_definition(case, chunk, monkeypat
     layer = StickBreaking(H, q.shape[-1]).double()
     with torch.no_grad():
         layer.head_bias.copy_(b)
+    leaves = [x.requires_grad_() for x in (q, k, v)] + [layer.head_bias]
+    got = layer(q, k, v, docs)
+    want, _ = reference(q, k, v, layer.head_bias, docs)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    weights = torch.randn(got.shape, dtype=F64, generator=torch.Generator().manual_seed(9))
+    for name, g_got, g_want in zip("qkvb", torch.autograd.grad((got * weights).sum(), leaves),
+                                   torch.autograd.grad((want * weights).sum(), leaves)):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+LONG = {"gqa": (4, 2, 48, 48, None), "mqa, cache offset": (4, 1, 16, 48, None),
+        "gqa, documents": (4, 2, 48, 48, torch.tensor([[0] * 10 + [1] * 30 + [2] + [3] * 7, [0] * 48]))}
+
+
+@pytest.mark.parametrize("case", LONG)
+def test_a_chunk_stops_where_every_rows_stick_is_used_up(case, monkeypatch):
+    """With large logits every row's stick is used up within a few keys (log rem below the log of
+    float64's smallest normal): in chunks of 4 rows and blocks of 3 keys the forward goes through
+    fewer keys than the chunks hold (counted), and the output and every gradient still equal the
+    definition's at 1e-10."""
+    monkeypatch.setattr(sb, "CHUNK", 4)
+    H, Hkv, Tq, Tk, docs = LONG[case]
+    q, k, v, b = inputs(H, Hkv, Tq, Tk, seed=3)
+    q = q * 150  # |z| in the hundreds: a key with z > 0 takes all but e^-z of what is left
+    layer = StickBreaking(H, q.shape[-1]).double()
+    with torch.no_grad():
+        layer.head_bias.copy_(b)
+    weights_of, keys = sb._weights, []
+    monkeypatch.setattr(sb, "_weights", lambda *a: keys.append(a[1].shape[-2]) or weights_of(*a))
+    visited = {}
+    for block in (Tk, 3):  # one block per chunk: every key; then blocks of 3
+        monkeypatch.setattr(sb, "BLOCK", block)
+        keys.clear()
+        with torch.no_grad():
+            layer(q, k, v, docs)
+        visited[block] = sum(keys)
+    assert visited[3] < visited[Tk] * 0.75, visited
     leaves = [x.requires_grad_() for x in (q, k, v)] + [layer.head_bias]
     got = layer(q, k, v, docs)
     want, _ = reference(q, k, v, layer.head_bias, docs)

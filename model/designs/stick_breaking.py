@@ -21,6 +21,15 @@ go in chunks of `CHUNK`, each against the keys before its last row (O(chunk x T)
 recomputes each chunk's weights (`_StickBreaking`: as a per-chunk checkpoint would, without its
 second forward's autograd graph or a whole-length gradient per key slice), so what is kept is q, k
 and v: O(T) beside one chunk.
+
+A weight A_ij whose log falls below the log of the dtype's smallest normal number counts as 0, and so
+does rem_i (log rem_i = -inf): the stick is used up. Since sum log(1 - beta) only falls as keys go
+back, once every row of a chunk has used its stick up (or has no key left in its document), no key
+further back has weight: the chunk's forward goes through its keys in blocks of `BLOCK`, nearest
+first, and stops there, and backward recomputes only the keys before that point (the others'
+gradients are exactly 0). A trained model's rows mostly end within a few hundred keys, and so do
+random ones, so at 8K most of the N x N work is never done; a row that keeps its stick (a head
+that reads far back) makes its chunk go to the end, as without the rule.
 """
 
 from __future__ import annotations
@@ -33,7 +42,9 @@ from torch import nn
 
 from .base import Design
 
-CHUNK = 64  # query rows per chunk: its scores are [B, H, CHUNK, keys]
+CHUNK = 64  # query rows per chunk: its scores are [B, H, CHUNK, BLOCK]
+BLOCK = 256  # keys per step of a chunk's forward, nearest first, until its rows' sticks are used up
+SOFTPLUS_LINEAR = 40.0  # softplus(z) = z past it: e^-40 = 4e-18 is below float64's rounding of 40
 
 
 def _allowed(rows: int, keys: int, same: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -45,23 +56,55 @@ def _allowed(rows: int, keys: int, same: torch.Tensor | None, device: torch.devi
     return allowed if same is None else allowed & same[:, None, None]
 
 
-def _weights(q: torch.Tensor, k_rev: torch.Tensor, rows: int,
-             allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's scores z, weights A (0 where not allowed) [B, Hkv, G * rows, N] and log rem
-    [B, Hkv, G * rows], for q [B, Hkv, G * rows, D] (scaled by 1 / sqrt(D)) over k_rev [B, Hkv, N, D]."""
+def _used_up(dtype: torch.dtype) -> float:
+    """The log below which a weight or a remainder counts as 0: the dtype's smallest normal number
+    (CPU exp takes a slow path below it: -inf included, 6x the whole kernel's softplus at 2K)."""
+    return math.log(torch.finfo(dtype).tiny)
+
+
+def _weights(q: torch.Tensor, k_rev: torch.Tensor, rows: int, allowed: torch.Tensor,
+             carry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's scores z, weights A (0 where not allowed or used up) [B, Hkv, G * rows, N] and
+    sum log(1 - beta) over its keys [B, Hkv, G * rows], for q [B, Hkv, G * rows, D] (scaled by
+    1 / sqrt(D)) over k_rev [B, Hkv, N, D]; carry: that sum over the nearer keys (None: none)."""
     B, Hkv, GR, _ = q.shape
     N = k_rev.shape[-2]
     z = q @ k_rev.transpose(-1, -2)
-    weights = F.softplus(z).neg_()  # log(1 - beta)
+    # log(1 - beta); softplus's default turns linear past z = 20, off by e^-z (2e-9 in float64's A)
+    weights = F.softplus(z, threshold=SOFTPLUS_LINEAR).neg_()
     masked = weights.view(B, Hkv, GR // rows, rows, N).masked_fill_(~allowed, 0.0)  # absent keys: log 1
     masked.cumsum_(-1)  # sum_{j<=k<i} log(1 - beta_ik)
-    log_rem = weights[..., -1].clone()
+    if carry is not None:
+        weights.add_(carry[..., None])
+    log_kept = weights[..., -1].clone()
     weights.add_(z)  # log A = z + that
-    # A = 0 where not allowed and where exp underflows (below log of the dtype's smallest normal: CPU
-    # exp takes a slow path for such inputs, -inf included, 6x the whole kernel's softplus at 2K)
-    dead = masked.masked_fill_(~allowed, -math.inf) < math.log(torch.finfo(z.dtype).tiny)
+    dead = masked.masked_fill_(~allowed, -math.inf) < _used_up(z.dtype)
     masked.masked_fill_(dead, 0.0).exp_().masked_fill_(dead, 0.0)
-    return z, weights, log_rem
+    return z, weights, log_kept
+
+
+def _chunk_forward(q_rows: torch.Tensor, k_rev: torch.Tensor, v_rev: torch.Tensor, rows: int,
+                   allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One chunk's sum_j A_ij v_j and log rem [B, Hkv, G * rows] over its keys k_rev, v_rev, in
+    blocks of `BLOCK` keys nearest first, and how many keys it went through before every row's stick
+    was used up or its keys ran out (allowed [rows, N] or [B, 1, 1, rows, N])."""
+    B, Hkv, GR, _ = q_rows.shape
+    N = k_rev.shape[-2]
+    used_up = _used_up(q_rows.dtype)
+    # the key after each row's last allowed one (its keys are one run of columns: its document's)
+    columns = torch.arange(N, device=q_rows.device)
+    ends = torch.where(allowed, columns + 1, 0).amax(-1)  # [rows] or [B, 1, 1, rows]
+    out, log_kept = None, None
+    for start in range(0, N, BLOCK):
+        end = min(N, start + BLOCK)
+        _, weights, log_kept = _weights(q_rows, k_rev[..., start:end, :], rows, allowed[..., start:end], log_kept)
+        part = weights @ v_rev[..., start:end, :]
+        out = part if out is None else out.add_(part)
+        done = (log_kept.view(B, Hkv, GR // rows, rows) < used_up) | (ends <= end)
+        if end < N and bool(done.all()):
+            N = end
+            break
+    return out, log_kept.masked_fill(log_kept < used_up, -math.inf), N
 
 
 class _StickBreaking(torch.autograd.Function):
@@ -78,14 +121,17 @@ class _StickBreaking(torch.autograd.Function):
     def forward(ctx, q, k_rev, v_rev, plan):
         B, Hkv, G, Tq, D = q.shape
         out, log_rem = q.new_zeros(B, Hkv, G, Tq, D), q.new_zeros(B, Hkv, G, Tq)
+        backward_plan = []  # each chunk's keys up to where its forward stopped
         for s, rows, keys, same in plan:
             q_rows = q[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
-            _, weights, rem = _weights(q_rows, k_rev[..., keys, :], rows,
-                                       _allowed(rows, keys.stop - keys.start, same, q.device))
-            out[..., s : s + rows, :] = (weights @ v_rev[..., keys, :]).view(B, Hkv, G, rows, D)
+            chunk, rem, used = _chunk_forward(q_rows, k_rev[..., keys, :], v_rev[..., keys, :], rows,
+                                              _allowed(rows, keys.stop - keys.start, same, q.device))
+            out[..., s : s + rows, :] = chunk.view(B, Hkv, G, rows, D)
             log_rem[..., s : s + rows] = rem.view(B, Hkv, G, rows)
+            backward_plan.append((s, rows, slice(keys.start, keys.start + used),
+                                  None if same is None else same[..., :used]))
         ctx.save_for_backward(q, k_rev, v_rev)
-        ctx.plan = plan
+        ctx.plan = backward_plan
         return out, log_rem
 
     @staticmethod

@@ -17,9 +17,13 @@ source_of() {  # design: the design whose run of the same seed it continues, or 
   python launch/study_design.py source "${FAMILY:-}" "$1"
 }
 
-machine() {  # one line per training start (fp32 training differs by CPU)
-  local cpu isa
+machine() {  # one line per training start (fp32 training differs by CPU), with the code it ran
+  local cpu isa code
   cpu=$(grep -m1 "model name" /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ *//')
   isa=$(grep -m1 -owE "avx2|avx512f|amx_tile" /proc/cpuinfo 2>/dev/null | tr '\n' ' ')
-  echo "$(date -u +%FT%TZ) ${cpu:-unknown CPU} (${isa% }; $(nproc --all) cores, $(nproc) threads), torch $(python -c 'import torch; print(torch.__version__)')"
+  code=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+  if [ "$code" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    code="$code with uncommitted changes"
+  fi
+  echo "$(date -u +%FT%TZ) ${cpu:-unknown CPU} (${isa% }; $(nproc --all) cores, $(nproc) threads), torch $(python -c 'import torch; print(torch.__version__)'), code $code"
 }

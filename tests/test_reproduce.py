@@ -106,6 +106,9 @@ def test_study_shortened(tmp_path: Path) -> None:
     assert (tmp_path / "results" / "seeds_summary.csv").read_text() == summary
 
 
+HEAD = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                      capture_output=True, text=True, check=True).stdout.strip()
+
 # the statistics of a tiny study family (few resamples)
 TINY_TESTS = """alpha: 0.05
 adjust: holm
@@ -145,6 +148,7 @@ def test_perplexity_study_shortened(tmp_path: Path) -> None:
             "DONE", "config.yaml", "machine.txt", "ppl.json"]
         machine = (results / run / "machine.txt").read_text().splitlines()  # one line per start
         assert len(machine) == 1 and f"torch {torch.__version__}" in machine[0]
+        assert f", code {HEAD}" in machine[0]  # the commit the run's code came from
         rows = json.loads((results / run / "ppl.json").read_text())["rows"]
         assert {r["scaling"] for r in rows} == ({"none"} if design == "nope" else {"none", "dynamic:8"})
     with open(results / "seeds_family.csv") as f:

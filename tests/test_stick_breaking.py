@@ -72,6 +72,25 @@ def inputs(H, Hkv, Tq, Tk, B=2, D=8, dtype=F64, seed=0):
     return q, k, v, b
 
 
+def float64_layer(head_bias: torch.Tensor) -> StickBreaking:
+    layer = StickBreaking(*head_bias.shape).double()
+    with torch.no_grad():
+        layer.head_bias.copy_(head_bias)
+    return layer
+
+
+def assert_matches_the_definition(layer: StickBreaking, q, k, v, docs) -> None:
+    """The layer's output and the gradients of q, k, v and the head vector equal the reference's at 1e-10."""
+    leaves = [x.requires_grad_() for x in (q, k, v)] + [layer.head_bias]
+    got = layer(q, k, v, docs)
+    want, _ = reference(q, k, v, layer.head_bias, docs)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    weights = torch.randn(got.shape, dtype=F64, generator=torch.Generator().manual_seed(9))
+    for name, g_got, g_want in zip("qkvb", torch.autograd.grad((got * weights).sum(), leaves),
+                                   torch.autograd.grad((want * weights).sum(), leaves)):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
+
+
 @pytest.mark.parametrize("chunk", [4, 64])
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_output_and_gradients_match_the_definition(case, chunk, monkeypatch):
@@ -81,17 +100,8 @@ def test_kernel_output_and_gradients_match_the_definition(case, chunk, monkeypat
     H, Hkv, Tq, Tk, documents = CASES[case]
     q, k, v, b = inputs(H, Hkv, Tq, Tk)
     docs = DOCS if documents else None
-    layer = StickBreaking(H, q.shape[-1]).double()
-    with torch.no_grad():
-        layer.head_bias.copy_(b)
-    leaves = [x.requires_grad_() for x in (q, k, v)] + [layer.head_bias]
-    got = layer(q, k, v, docs)
-    want, _ = reference(q, k, v, layer.head_bias, docs)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    weights = torch.randn(got.shape, dtype=F64, generator=torch.Generator().manual_seed(9))
-    for name, g_got, g_want in zip("qkvb", torch.autograd.grad((got * weights).sum(), leaves),
-                                   torch.autograd.grad((want * weights).sum(), leaves)):
-        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
+    layer = float64_layer(b)
+    assert_matches_the_definition(layer, q, k, v, docs)
 
 
 LONG = {"gqa": (4, 2, 48, 48, None), "mqa, cache offset": (4, 1, 16, 48, None),
@@ -108,9 +118,7 @@ def test_a_chunk_stops_where_every_rows_stick_is_used_up(case, monkeypatch):
     H, Hkv, Tq, Tk, docs = LONG[case]
     q, k, v, b = inputs(H, Hkv, Tq, Tk, seed=3)
     q = q * 150  # |z| in the hundreds: a key with z > 0 takes all but e^-z of what is left
-    layer = StickBreaking(H, q.shape[-1]).double()
-    with torch.no_grad():
-        layer.head_bias.copy_(b)
+    layer = float64_layer(b)
     weights_of, keys = sb._weights, []
     monkeypatch.setattr(sb, "_weights", lambda *a: keys.append(a[1].shape[-2]) or weights_of(*a))
     visited = {}
@@ -121,14 +129,7 @@ def test_a_chunk_stops_where_every_rows_stick_is_used_up(case, monkeypatch):
             layer(q, k, v, docs)
         visited[block] = sum(keys)
     assert visited[3] < visited[Tk] * 0.75, visited
-    leaves = [x.requires_grad_() for x in (q, k, v)] + [layer.head_bias]
-    got = layer(q, k, v, docs)
-    want, _ = reference(q, k, v, layer.head_bias, docs)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    weights = torch.randn(got.shape, dtype=F64, generator=torch.Generator().manual_seed(9))
-    for name, g_got, g_want in zip("qkvb", torch.autograd.grad((got * weights).sum(), leaves),
-                                   torch.autograd.grad((want * weights).sum(), leaves)):
-        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
+    assert_matches_the_definition(layer, q, k, v, docs)
 
 
 def test_weights_sum_to_at_most_one_and_the_remainder_is_what_is_left():

@@ -58,6 +58,10 @@ REPORTS = {
     "study/bar_only": (_study, aggregate.FAMILY_FILE),
     "designs": (_designs, aggregate.FAMILY_FILE.with_name("designs.yaml")),
     "designs/bar_only": (_designs, aggregate.FAMILY_FILE.with_name("designs.yaml")),
+    "field_ppl": (lambda: _study_runs(RESULTS / "field_ppl", ("origin", "pope", "stick_breaking", "fox_pro",
+                                                              "origin_sinks", "origin_ssmax", "origin_recal",
+                                                              "drope")),
+                  aggregate.FAMILY_FILE.with_name("field_ppl.yaml")),
 }
 
 

@@ -79,5 +79,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{len(diffs) - len(differing)} of {len(diffs)} rows agree to {PPL_AGREEMENT:g}")
     return 0 if not differing else 1
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -101,10 +101,9 @@ def _chunk_forward(q_rows: torch.Tensor, k_rev: torch.Tensor, v_rev: torch.Tenso
         part = weights @ v_rev[..., start:end, :]
         out = part if out is None else out.add_(part)
         done = (log_kept.view(B, Hkv, GR // rows, rows) < used_up) | (ends <= end)
-        if end < N and bool(done.all()):
-            N = end
+        if end == N or bool(done.all()):
             break
-    return out, log_kept.masked_fill(log_kept < used_up, -math.inf), N
+    return out, log_kept.masked_fill(log_kept < used_up, -math.inf), end
 
 
 class _StickBreaking(torch.autograd.Function):

@@ -12,15 +12,18 @@ are computed for a chunk of queries at a time (memory chunk x T per head), and s
 - outliers: scores above their own query row's mean + `sigma` x the row's std (per head and
   query, over the keys it may see); `outlier_count` and `outlier_ratio` (of all valid scores);
   `max_zscore` is the largest (s - row mean) / row std seen;
-- `local_mass`: softmax probability on the nearest `window` keys (m - window < n <= m), averaged
-  over heads and queries; with attention sinks (`model.sinks`) the sink's logit is in each
-  softmax's denominator, so the mass on keys may be below 1.
+- `local_mass`: attention weight on the nearest `window` keys a query sees (m - window < n <= m
+  for softmax), averaged over heads and queries; with attention sinks (`model.sinks`) the sink's
+  logit is in each softmax's denominator, so the mass on keys may be below 1.
+A design whose attention is not a softmax (stick-breaking's) gives its weights and the keys its
+queries see (`Design.weights`: n < m for stick-breaking, whose weights sum to at most 1); its
+statistics are over those keys.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -37,6 +40,7 @@ class AttentionInputs(Protocol):
     bias: ScoreBias | None  # the design's score bias (`model.bias_attention.LayerBias`), or None
     window: int  # a sliding window's keys: only m - n < window are scores (0: every n <= m)
     sinks: torch.Tensor | None  # attention sinks' logits a_h [H], in each softmax's denominator, or None
+    weights: Callable | None  # (scores, causal mask) -> (weights, keys seen); None: softmax (`Design.weights`)
 
 
 def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +57,7 @@ def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Te
 
 
 def layer_statistics(layer: AttentionInputs, sigma: float = 6.0, window: int = 16, chunk: int = 256) -> dict:
-    """Summary statistics of one layer's causal scores, computed `chunk` queries at a time."""
+    """Summary statistics of one layer's causal scores (those its queries see), `chunk` queries at a time."""
     n_heads, length = layer.q_eff.shape[1], layer.q_eff.shape[2]
     total = total_sq = 0.0
     count = outliers = 0
@@ -62,7 +66,15 @@ def layer_statistics(layer: AttentionInputs, sigma: float = 6.0, window: int = 1
         end = min(start + chunk, length)
         scores, valid = chunk_scores(layer, start, end)
         s = scores.double()
-        n_valid = valid.sum(-1, keepdim=True)
+        if layer.weights is None:
+            logits = s.masked_fill(~valid, -math.inf)
+            if layer.sinks is not None:  # the sink's logit in each row's denominator, its column dropped after
+                sink = layer.sinks.to(s)[:, None, None].expand(*s.shape[:-1], 1)
+                logits = torch.cat((logits, sink), dim=-1)
+            weights = torch.softmax(logits, dim=-1)[..., : s.shape[-1]]
+        else:
+            weights, valid = layer.weights(s, valid)
+        n_valid = valid.sum(-1, keepdim=True).clamp_min(1)  # a row without keys (stick-breaking's first) adds none
         masked = torch.where(valid, s, 0.0)
         total += masked.sum().item()
         total_sq += (masked * masked).sum().item()
@@ -74,15 +86,8 @@ def layer_statistics(layer: AttentionInputs, sigma: float = 6.0, window: int = 1
         outliers += int((valid & (s > row_mean + sigma * row_std)).sum())
         z = torch.where(valid & (row_std > 0), (s - row_mean) / row_std.clamp_min(1e-300), 0.0)
         max_z = max(max_z, z.max().item())
-        logits = s.masked_fill(~valid, -math.inf)
-        if layer.sinks is not None:  # the sink's logit in each row's denominator, its column dropped after
-            sink = layer.sinks.to(s)[:, None, None].expand(*s.shape[:-1], 1)
-            logits = torch.cat((logits, sink), dim=-1)
-        probs = torch.softmax(logits, dim=-1)[..., : s.shape[-1]]
-        m = torch.arange(start, end, device=s.device)[:, None]
-        n = torch.arange(end, device=s.device)[None, :]
-        near = (n <= m) & (n > m - window)
-        local += (probs * near).sum().item()
+        nearer = valid.flip(-1).cumsum(-1).flip(-1)  # the keys a query sees at or after n
+        local += (weights * (valid & (nearer <= window))).sum().item()
     mean = total / count
     return {
         "max_score": max_score,

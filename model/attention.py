@@ -33,6 +33,7 @@ tiles). Forcing the GPU path on a CPU is how its code is tested without a GPU (d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -54,13 +55,14 @@ from .window_attention import _chunked_window, window_attention
 
 class AttentionInputs(NamedTuple):
     """A layer's attention inputs: scores = q_eff @ k_eff.T / sqrt(D) + b_h(m, n), n <= m (and
-    m - n < window where there is one)."""
+    m - n < window where there is one), and how they become weights: softmax, or the design's."""
 
     q_eff: torch.Tensor  # [B, H, T, D]
     k_eff: torch.Tensor  # [B, H, T, D] (under GQA each kv head repeated for the query heads it serves)
     bias: LayerBias | None  # the score bias (`LayerBias.scores`), for a design with one
     window: int = 0  # a sliding window's keys (0: every earlier key)
     sinks: torch.Tensor | None = None  # the sink logits a_h [H] in each softmax's denominator (`model.sinks`)
+    weights: Callable | None = None  # a design's weights from its scores (`Design.weights`); None: softmax
 
 
 def causal_attention(q, k, v, bias: LayerBias | None = None, documents: Documents | None = None,
@@ -255,11 +257,11 @@ class CausalSelfAttention(nn.Module):
             q, k, v, terms, heads = sp.attention_inputs(q, k, v, terms, self.n_head)
         bias = None if score_bias is None else LayerBias(score_bias, terms, heads=heads)
         if capture is not None:
-            if self.attend is not None:
-                raise ValueError(f"capture_qk gives the inputs of softmax attention; {self.design.name} has none")
+            if self.attend is not None and self.design.weights is None:
+                raise ValueError(f"capture_qk: {self.design.name} attention has no softmax and no weights from scores")
             k_eff = k.repeat_interleave(self.n_head // self.kv_heads, dim=1) if _gqa(q, k) else k
             sinks = None if self.sinks is None else self.sinks[heads].detach()
-            capture.append(AttentionInputs(q, k_eff, bias, self.design.window, sinks))
+            capture.append(AttentionInputs(q, k_eff, bias, self.design.window, sinks, self.design.weights))
         width = v.shape[-1]
         if q.shape[-1] != width:  # q_eff wider than v (PoPE's): v zero-padded, the fused kernels want one size
             v = F.pad(v, (0, q.shape[-1] - width))

@@ -15,6 +15,7 @@ from eval import report, tables
 from eval import results as result_files
 from eval.attention_stats import attention_statistics, last_query_scores, layer_statistics
 from eval.perplexity import safe_exp, sliding_windows
+from model.designs.stick_breaking import STICK_BREAKING
 
 # ----------------------------------------------------------------------------- windows
 
@@ -60,6 +61,7 @@ class Layer:
     slopes: torch.Tensor | None
     window: int = 0
     sinks: torch.Tensor | None = None  # attention sinks' logits a_h
+    weights: object = None  # a design's weights from its scores (stick-breaking's); None: softmax
 
     @property
     def bias(self):
@@ -76,8 +78,15 @@ class Layer:
         return Bias()
 
 
+def stick_breaking_row(row: torch.Tensor) -> torch.Tensor:
+    """A_n = sigmoid(s_n) prod_{n<k<m} (1 - sigmoid(s_k)) over a query's earlier keys s_0..s_{m-1}:
+    the product of the paper's definition, key by key."""
+    beta = torch.sigmoid(row)
+    return torch.stack([beta[n] * torch.prod(1 - beta[n + 1 :]) for n in range(len(row))])
+
+
 def reference_stats(layer: Layer, sigma: float, window: int) -> dict:
-    """The definitions on the full float64 score matrix."""
+    """The definitions on the full float64 score matrix; stick-breaking's over the keys n < m."""
     q, k = layer.q_eff[0].double(), layer.k_eff[0].double()
     h, t, d = q.shape
     s = q @ k.transpose(-1, -2) / math.sqrt(d)
@@ -85,20 +94,25 @@ def reference_stats(layer: Layer, sigma: float, window: int) -> dict:
     n = torch.arange(t)[None, :]
     if layer.slopes is not None:
         s = s - layer.slopes.double()[:, None, None] * (m - n)
-    valid = (n <= m).expand(h, t, t)
+    strict = layer.weights is not None  # stick-breaking: a query does not see its own key
+    valid = ((n < m) if strict else (n <= m)).expand(h, t, t)
     vals = s[valid]
     outliers, local, max_z = 0, 0.0, 0.0
     for hi in range(h):
         for mi in range(t):
-            row = s[hi, mi, : mi + 1]
+            row = s[hi, mi, : mi + (0 if strict else 1)]
+            if not len(row):
+                continue
             mean, std = row.mean(), row.std(unbiased=False)
             outliers += int((row > mean + sigma * std).sum())
             if std > 0:
                 max_z = max(max_z, ((row - mean) / std).max().item())
-            # exp(s) / (sum exp(s) [+ exp(a_h)]): a sink takes its share of every row
-            denominator = row.exp().sum() + (layer.sinks[hi].double().exp() if layer.sinks is not None else 0.0)
-            p = row.exp() / denominator
-            local += p[max(0, mi - window + 1) :].sum().item()
+            if strict:
+                p = stick_breaking_row(row)
+            else:  # exp(s) / (sum exp(s) [+ exp(a_h)]): a sink takes its share of every row
+                denominator = row.exp().sum() + (layer.sinks[hi].double().exp() if layer.sinks is not None else 0.0)
+                p = row.exp() / denominator
+            local += p[max(0, len(row) - window) :].sum().item()
     return {
         "max_score": vals.max().item(),
         "min_score": vals.min().item(),
@@ -112,16 +126,18 @@ def reference_stats(layer: Layer, sigma: float, window: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-@pytest.mark.parametrize("alibi", [False, True])
-def test_chunked_attention_statistics_match_float64_definition(alibi, sinks):
+@pytest.mark.parametrize("alibi, sinks, weights", [(False, False, False), (True, False, False), (False, True, False),
+                                                   (True, True, False), (False, False, True)],
+                         ids=["softmax", "alibi", "sinks", "alibi, sinks", "stick-breaking"])
+def test_chunked_attention_statistics_match_float64_definition(alibi, sinks, weights):
     g = torch.Generator().manual_seed(0)
     h, t, d = 3, 37, 8
     q = torch.randn(1, h, t, d, generator=g)
     k = torch.randn(1, h, t, d, generator=g)
     k[0, 1, 5] *= 8.0  # a key that stands out, so that outliers exist
     slopes = torch.tensor([0.5, 0.25, 0.125]) if alibi else None
-    layer = Layer(q, k, slopes, sinks=torch.tensor([2.0, -1.0, 0.5]) if sinks else None)
+    layer = Layer(q, k, slopes, sinks=torch.tensor([2.0, -1.0, 0.5]) if sinks else None,
+                  weights=STICK_BREAKING.weights if weights else None)
     got = layer_statistics(layer, sigma=2.0, window=4, chunk=7)
     want = reference_stats(layer, sigma=2.0, window=4)
     assert want["outlier_count"] > 0

@@ -13,7 +13,7 @@ from model.designs import DESIGNS, Rope, design_of
 # Every design of the registry, as (attention, form); its label names the case.
 VARIANTS = [(d.attention, d.form or "slack") for d in DESIGNS.values()]
 IDS = [d.label for d in DESIGNS.values()]
-# The softmax designs: capture_qk's inputs are theirs (stick-breaking's refusal: tests/test_stick_breaking.py)
+# The softmax designs: capture_qk's inputs are theirs (stick-breaking's: tests/test_stick_breaking.py)
 SOFTMAX = [(d.attention, d.form or "slack") for d in DESIGNS.values() if d.softmax]
 # Parameters that make a design's feature visible in `small`'s 2 layers and 20 tokens: the hybrid's
 # layer 0 in a window of 3, its layer 1 global NoPE; p-RoPE rotating half its pairs.
@@ -147,8 +147,8 @@ def test_capture_qk_gives_the_layer_scores(attention, form, arch, layer):
     idx = tokens(1, 12, seed=6)
     captured = model.capture_qk(idx)
     assert len(captured) == model.cfg.n_layer
-    q_eff, k_eff, bias, window, sinks = captured[layer]
-    assert sinks is None  # no model.sinks
+    q_eff, k_eff, bias, window, sinks, weights = captured[layer]
+    assert sinks is None and weights is None  # no model.sinks; softmax
     width = 16 if attention == "pope" else 8
     assert (bias is None) == (design_of(attention, form).bias is None) and q_eff.shape == (1, 2, 12, width)
     assert window == (3 if (attention, layer) == ("hybrid", 0) else 0)

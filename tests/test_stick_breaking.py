@@ -2,7 +2,7 @@
 reference written from the paper's definition (explicit products over the keys between, not the
 kernel's log-space sums): the kernel's output and gradients (q, k, v, the remainder's head vector)
 with grouped-query attention, a KV-cache offset, document masking and chunks; the layer and the
-model around it (training, the KV cache, packed rows), and what the design refuses."""
+model around it (training, the KV cache, packed rows, capture_qk), and what the design refuses."""
 
 from __future__ import annotations
 
@@ -279,9 +279,25 @@ def test_softmax_modifiers_are_refused(modifier):
         ModelConfig(attention="stick_breaking", **{modifier: True})
 
 
-def test_capture_qk_is_refused():
-    with pytest.raises(ValueError, match="capture_qk gives the inputs of softmax attention; Stick-breaking"):
-        gpt().capture_qk(torch.zeros(1, 4, dtype=torch.long))
+def test_capture_qk_gives_the_layers_scores_and_the_definitions_weights():
+    """What the attention statistics read: capture_qk's q_eff and k_eff (each kv head repeated for its
+    query heads) are the layer's, and the design's weights from their scores are the reference's A,
+    over the keys n < m only."""
+    model = gpt().double().eval()
+    for p in model.parameters():  # weights far from uniform
+        torch.nn.init.normal_(p, std=0.4)
+    attn, seen = model.h[1].attn, {}
+    attn.register_forward_hook(lambda mod, args, out: seen.update(x=args[0]))
+    captured = model.capture_qk(torch.randint(0, 64, (1, 19), generator=torch.Generator().manual_seed(3)))[1]
+    q, k, v = attn.heads(seen["x"])
+    _, want = reference(q, k, v, attn.attend.head_bias)
+    torch.testing.assert_close(captured.q_eff, q, rtol=0, atol=0)
+    torch.testing.assert_close(captured.k_eff, k.repeat_interleave(2, dim=1), rtol=0, atol=0)
+    m = torch.arange(19)
+    scores = captured.q_eff @ captured.k_eff.transpose(-1, -2) / math.sqrt(8)
+    weights, keys = captured.weights(scores, (m[:, None] >= m[None, :]).expand_as(scores))
+    torch.testing.assert_close(weights, want, rtol=1e-10, atol=1e-10)
+    assert torch.equal(keys, (m[:, None] > m[None, :]).expand_as(scores))
 
 
 def test_an_origin_model_converts_with_a_zero_head_vector():

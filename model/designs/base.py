@@ -169,6 +169,10 @@ class Design:
       heads served) -> [B, H, Tq, D], with parameters of its own: stick-breaking's); None: softmax
       on the shared kernels. Such a design has no softmax for sinks, SSMax or the length
       temperature to modify (`softmax`).
+    weights: for a design with `attend`: (scores [..., rows, keys], causal mask n <= m of that
+      shape) -> (its attention weights, the keys its queries see), in the scores' dtype, for the
+      attention statistics (`eval.attention_stats`; `GPT.capture_qk` refuses a design with `attend`
+      and none); None: softmax over the causal keys.
     pro: (n_head, kv heads, head_dim, n_embd, eps) -> a layer's module of the Forgetting Transformer
       paper's "Pro" block parts around the kernel (the layer's `pro`: `inputs` shifts k and v and
       normalises q and k per head before the q/k transform, `output` norms and gates the attention's
@@ -195,6 +199,7 @@ class Design:
     params: Optional[type] = None
     for_layer: Optional[Callable[[Any, int, int], Design]] = None
     attend: Optional[Callable[[int, int], nn.Module]] = None
+    weights: Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
     pro: Optional[Callable[[int, int, int, int, float], nn.Module]] = None
 
     @property

@@ -195,6 +195,19 @@ def stick_breaking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(B, H, Tq, D), log_rem.view(B, H, Tq)
 
 
+def attention_weights(scores: torch.Tensor, causal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights A_mn of the module docstring from scores z [..., rows, keys] and the causal mask
+    n <= m (each row's keys one run ending at its own position), in the scores' dtype, for the
+    attention statistics: (A, the keys each query sees: n < m). Direct, not the kernel's: log A_mn =
+    log sigmoid z_mn + sum_{n<k<m} log(1 - sigmoid z_mk), with log sigmoid z = -log(1 + e^-z)."""
+    own = causal & (causal.cumsum(-1) == causal.sum(-1, keepdim=True))  # each row's last key: itself
+    seen = causal & ~own
+    log_kept = torch.where(seen, -torch.logaddexp(torch.zeros_like(scores), scores), 0.0)
+    after = log_kept.flip(-1).cumsum(-1).flip(-1) - log_kept  # over the keys k > n
+    log_a = after - torch.logaddexp(torch.zeros_like(scores), -scores)
+    return torch.where(seen, log_a.exp(), 0.0), seen
+
+
 class StickBreaking(nn.Module):
     """A layer's stick-breaking attention, with the learned per-head vector b_h [H, D] that the
     remainder of each query's stick multiplies (`head_bias`, zeros at initialisation: IBM
@@ -217,5 +230,5 @@ STICK_BREAKING = Design(
     key="stick_breaking", attention="stick_breaking", label="stick-breaking", name="Stick-breaking",
     colour="#843c39",
     summary="no softmax, no position encoding: sigmoid stick-breaking from the nearest earlier key back",
-    rope=False, from_origin="keep", attend=StickBreaking,
+    rope=False, from_origin="keep", attend=StickBreaking, weights=attention_weights,
 )

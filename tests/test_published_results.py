@@ -47,7 +47,11 @@ def _designs() -> list[Path]:
     return _study_runs(RESULTS / "designs", ("origin", "nope", "prope", "hybrid", "kerple", "fire", "fox"))
 
 
-FIELD_RETRIEVAL = ("origin", "pope", "stick_breaking", "fox_pro", "origin_recal", "drope")
+def _field_retrieval() -> list[Path]:
+    return _study_runs(RESULTS / "field_retrieval", ("origin", "pope", "stick_breaking", "fox_pro", "origin_recal",
+                                                     "drope"))
+
+
 REPORTS = {
     "pilot": (lambda: sorted(RESULTS.joinpath("pilot").glob("*_s?")), aggregate.FAMILY_FILE),
     "perplexity/pilot": (lambda: _study_runs(RESULTS / "perplexity" / "pilot", ("origin",)),
@@ -63,10 +67,8 @@ REPORTS = {
                                                               "origin_sinks", "origin_ssmax", "origin_recal",
                                                               "drope")),
                   aggregate.FAMILY_FILE.with_name("field_ppl.yaml")),
-    "field_retrieval": (lambda: _study_runs(RESULTS / "field_retrieval", FIELD_RETRIEVAL),
-                        aggregate.FAMILY_FILE.with_name("field_retrieval.yaml")),
-    "field_retrieval/bar_only": (lambda: _study_runs(RESULTS / "field_retrieval", FIELD_RETRIEVAL),
-                                 aggregate.FAMILY_FILE.with_name("field_retrieval.yaml")),
+    "field_retrieval": (_field_retrieval, aggregate.FAMILY_FILE.with_name("field_retrieval.yaml")),
+    "field_retrieval/bar_only": (_field_retrieval, aggregate.FAMILY_FILE.with_name("field_retrieval.yaml")),
 }
 
 

@@ -218,16 +218,18 @@ def _equal_paths(key: str, setting: str, **modifiers) -> None:
 
 
 @pytest.fixture
-def compiled_only(monkeypatch):
+def compiled_only():
     """Every compile happens: past dynamo's recompile limit (8 per function) a call would fall back
     to torch's dense reference and test nothing compiled (`_compiled_flex` is fullgraph: no graph
-    break can either)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    break can either). Set through torch's own `config.patch`, which restores each value on exit
+    (pytest's monkeypatch deletes a config module's attributes on undo since pytest 9.2, breaking
+    every later compile in the worker)."""
     # Static shapes: after other tests' traced calls dynamo would mark sizes dynamic, and inductor's
     # CPU template fails to compile FoX's score_mod with dynamic sizes (torch 2.13; the GPU's is Triton).
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
-    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True,
+                                    automatic_dynamic_shapes=False):
+        torch._dynamo.reset()
+        yield
 
 
 @pytest.mark.usefixtures("compiled_only")

@@ -18,6 +18,18 @@ are computed for a chunk of queries at a time (memory chunk x T per head), and s
 A design whose attention is not a softmax (stick-breaking's) gives its weights and the keys its
 queries see (`Design.weights`: n < m for stick-breaking, whose weights sum to at most 1); its
 statistics are over those keys.
+
+Per head, the mechanism measures (`head_statistics`) of one segment, for the attention-sink account
+of length failure (a sink parks attention on the first token; RoPE beyond its trained length may
+disturb it):
+- `sink_share`: the weight A(h, m, 0) on the first token (the EOS that starts every evaluation
+  input), averaged over the queries that see any key; `sink_share_beyond` over those at positions
+  m >= the training length only (None when the segment has none);
+- `entropy`: -sum_n A log A over the keys, plus -r log r for the weight r that goes to no key (a
+  learned sink's share, stick-breaking's remainder; 0 for a plain softmax), averaged the same way,
+  with `entropy_beyond`;
+- `max_logit`: the largest score s(h, m, n) (the design's bias included) per distance bin m - n:
+  0, 1, 2-3, 4-7, ... (`distance_bins`); None for a bin without scores.
 """
 
 from __future__ import annotations
@@ -45,15 +57,33 @@ class AttentionInputs(Protocol):
 
 def chunk_scores(layer: AttentionInputs, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of queries [start, end) against keys [0, end) of batch row 0: ([H, c, end], valid mask)."""
-    q = layer.q_eff[0, :, start:end].float()
-    k = layer.k_eff[0, :, :end].float()
+    wide = torch.promote_types(layer.q_eff.dtype, torch.float32)  # bf16 widened; a float64 model's kept
+    q = layer.q_eff[0, :, start:end].to(wide)
+    k = layer.k_eff[0, :, :end].to(wide)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     m = torch.arange(start, end, device=q.device)[:, None]
     n = torch.arange(end, device=q.device)[None, :]
     if layer.bias is not None:
-        scores = scores + layer.bias.scores(start, end, q.device).float()
+        scores = scores + layer.bias.scores(start, end, q.device).to(wide)
     valid = (n <= m) & (m - n < layer.window) if layer.window else n <= m
     return scores, valid.expand_as(scores)
+
+
+def chunk_weights(
+    layer: AttentionInputs, scores: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's attention weights from its scores: (A [H, c, T], the keys each query sees, the
+    weight r [H, c] that goes to no key: a learned sink's share, stick-breaking's remainder, 0 for
+    a plain softmax)."""
+    if layer.weights is not None:
+        weights, valid = layer.weights(scores, valid)
+        return weights, valid, (1 - weights.sum(-1)).clamp_min(0.0)
+    logits = scores.masked_fill(~valid, -math.inf)
+    if layer.sinks is None:
+        return torch.softmax(logits, dim=-1), valid, scores.new_zeros(scores.shape[:-1])
+    sink = layer.sinks.to(scores)[:, None, None].expand(*scores.shape[:-1], 1)  # in each row's denominator
+    weights = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)
+    return weights[..., :-1], valid, weights[..., -1]
 
 
 def layer_statistics(layer: AttentionInputs, sigma: float = 6.0, window: int = 16, chunk: int = 256) -> dict:
@@ -66,14 +96,7 @@ def layer_statistics(layer: AttentionInputs, sigma: float = 6.0, window: int = 1
         end = min(start + chunk, length)
         scores, valid = chunk_scores(layer, start, end)
         s = scores.double()
-        if layer.weights is None:
-            logits = s.masked_fill(~valid, -math.inf)
-            if layer.sinks is not None:  # the sink's logit in each row's denominator, its column dropped after
-                sink = layer.sinks.to(s)[:, None, None].expand(*s.shape[:-1], 1)
-                logits = torch.cat((logits, sink), dim=-1)
-            weights = torch.softmax(logits, dim=-1)[..., : s.shape[-1]]
-        else:
-            weights, valid = layer.weights(s, valid)
+        weights, valid, _ = chunk_weights(layer, s, valid)
         n_valid = valid.sum(-1, keepdim=True).clamp_min(1)  # a row without keys (stick-breaking's first) adds none
         masked = torch.where(valid, s, 0.0)
         total += masked.sum().item()
@@ -114,3 +137,60 @@ def attention_statistics(
 ) -> list[dict]:
     """`layer_statistics` for every layer, numbered from 1 as in the paper."""
     return [{"layer": i + 1, **layer_statistics(layer, sigma, window, chunk)} for i, layer in enumerate(layers)]
+
+
+def distance_bins(length: int) -> list[tuple[int, int]]:
+    """Distances m - n of a `length`-token segment in bins (first, last): (0, 0), (1, 1), (2, 3),
+    (4, 7), ..., the last ending at length - 1."""
+    bins = [(0, 0)]
+    while bins[-1][1] < length - 1:
+        first = bins[-1][1] + 1
+        bins.append((first, min(2 * first - 1, length - 1)))
+    return bins
+
+
+def _bin_of(distance: torch.Tensor) -> torch.Tensor:
+    """The index in `distance_bins` of each distance >= 0: 0 for 0, floor(log2 d) + 1 otherwise
+    (frexp: d = mantissa x 2^exponent with the mantissa in [0.5, 1), and 0 = 0 x 2^0)."""
+    return torch.frexp(distance.double()).exponent.long()
+
+
+def layer_head_statistics(layer: AttentionInputs, train_len: int, chunk: int = 256) -> list[dict]:
+    """The mechanism measures of the module docstring for each head of one layer, `chunk` queries at a time."""
+    n_heads, length, device = layer.q_eff.shape[1], layer.q_eff.shape[2], layer.q_eff.device
+    n_bins = len(distance_bins(length))
+    sums = torch.zeros(3, 2, n_heads, dtype=torch.float64, device=device)  # sink, entropy, queries x [all, beyond]
+    max_logit = torch.full((n_heads, n_bins), -math.inf, dtype=torch.float64, device=device)
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        scores, valid = chunk_scores(layer, start, end)
+        s = scores.double()
+        weights, valid, rest = chunk_weights(layer, s, valid)
+        seen = valid.any(-1)  # [H, c]: queries with a key (stick-breaking's first has none)
+        h = -torch.special.xlogy(weights, weights).sum(-1) - torch.special.xlogy(rest, rest)
+        m = torch.arange(start, end, device=device)[:, None]
+        for i, rows in enumerate((seen, seen & (m[:, 0] >= train_len))):
+            sums[:, i] += torch.stack((weights[..., 0], h, torch.ones_like(h))).where(rows, 0.0).sum(-1)
+        bins = _bin_of((m - torch.arange(end, device=device)[None, :]).clamp_min(0)).expand_as(s)
+        logits = s.masked_fill(~valid, -math.inf)
+        max_logit = max_logit.scatter_reduce(1, bins.reshape(n_heads, -1), logits.reshape(n_heads, -1), "amax")
+    sink, entropy, queries = sums.cpu()
+    max_logit = max_logit.cpu()
+
+    def mean(x: torch.Tensor, i: int, hd: int) -> float | None:
+        return (x[i, hd] / queries[i, hd]).item() if queries[i, hd] else None
+
+    return [{
+        "head": hd + 1,
+        "sink_share": mean(sink, 0, hd),
+        "entropy": mean(entropy, 0, hd),
+        "sink_share_beyond": mean(sink, 1, hd),
+        "entropy_beyond": mean(entropy, 1, hd),
+        "max_logit": [x if x > -math.inf else None for x in max_logit[hd].tolist()],
+    } for hd in range(n_heads)]
+
+
+def head_statistics(layers: Sequence[AttentionInputs], train_len: int, chunk: int = 256) -> list[dict]:
+    """`layer_head_statistics` for every layer, layers and heads numbered from 1."""
+    return [{"layer": i + 1, **row} for i, layer in enumerate(layers)
+            for row in layer_head_statistics(layer, train_len, chunk)]

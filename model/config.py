@@ -193,6 +193,10 @@ class ModelConfig:
           flex (FlexAttention, the GPU path, on any device; on a CPU compiled through C++ and
           forward only: evaluation and generation, not training).
     layernorm_eps: the eps of every norm (LayerNorm for neox, RMSNorm for llama).
+    mup: maximal update parametrization relative to a model of width `mup_base_width` (the same
+          config with n_embd = mup_base_width and ffn_hidden scaled alike; `model.mup`): its
+          initialisation, per-layer lr factors, output multiplier and 1/d attention. At the base
+          width the model is the standard one.
     """
 
     arch: str = "neox"
@@ -220,6 +224,8 @@ class ModelConfig:
     doc_mask: bool = False
     doc_positions: bool = False
     kernel: str = "auto"
+    mup: bool = False
+    mup_base_width: int = 256
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -274,6 +280,8 @@ class ModelConfig:
         if self.qk_norm and self.design.pro:
             raise ValueError(f"model.qk_norm=true with {self.design.name}: its Pro block normalises q and k per head "
                              "itself; leave model.qk_norm=false")
+        if self.mup:
+            self._check_mup()
         if self.init_std <= 0 or self.layernorm_eps <= 0:
             raise ValueError("model.init_std and model.layernorm_eps must be > 0")
 
@@ -293,6 +301,14 @@ class ModelConfig:
         if self.arch == "llama" and self.rotary_pct != 1.0:
             raise ValueError(f"model.arch='llama' rotates every head dimension: set model.rotary_pct=1.0 "
                              f"(got {self.rotary_pct})")
+
+    def _check_mup(self) -> None:
+        """muP's base model must be buildable: the same heads at width mup_base_width."""
+        base = self.mup_base_width
+        _positive("model.mup_base_width", base)
+        if base % self.n_head or (base // self.n_head) % 2 or (self.ffn_hidden * base) % self.n_embd:
+            raise ValueError(f"model.mup_base_width={base} must be divisible by model.n_head={self.n_head} into an "
+                             f"even head dimension, and scale model.ffn_hidden={self.ffn_hidden} to a whole width")
 
     @property
     def design(self) -> Design:

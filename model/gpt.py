@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import mup
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
 from .designs import Rope, RopeTables, ScoreBias, length_temperature
@@ -64,15 +65,19 @@ class SwiGLU(nn.Module):
 
 class LMHead(nn.Linear):
     """The output projection. Given targets it returns the summed cross entropy instead of logits
-    (chunked, see `model.loss`); going through `__call__` lets ZeRO-3 gather the weight for it."""
+    (chunked, see `model.loss`); going through `__call__` lets ZeRO-3 gather the weight for it.
+    `multiplier` scales the logits (muP's output multiplier, `model.mup`; 1 otherwise)."""
+
+    multiplier: float = 1.0
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = h * self.multiplier if self.multiplier != 1.0 else h
         if targets is None:
             return super().forward(h)
         return linear_cross_entropy_sum(h, self.weight, targets)
 
     def token_losses(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_losses(h, self.weight, targets)
+        return token_losses(h * self.multiplier if self.multiplier != 1.0 else h, self.weight, targets)
 
 
 def init_weights(module: nn.Module, std: float) -> None:
@@ -157,6 +162,9 @@ class GPT(nn.Module):
         ]
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.apply(lambda module: init_weights(module, cfg.init_std))
+        if cfg.mup:
+            mup.rescale_init(self)
+            self.lm_head.multiplier = mup.output_multiplier(cfg)
 
     # ---- forward ---------------------------------------------------------------------------------
 
@@ -213,6 +221,9 @@ class GPT(nn.Module):
         if self.cfg.length_temperature:
             scale = length_temperature(at, self.cfg.max_seq_len).to(x.dtype)[..., None]
             q_scale = scale[:, None] if per_document else scale
+        if self.cfg.mup and self.cfg.n_embd != self.cfg.mup_base_width:  # muP's 1/d attention
+            factor = mup.attention_multiplier(self.cfg)
+            q_scale = factor if q_scale is None else q_scale * factor
         key_counts = None
         if self.cfg.ssmax:  # the keys each query attends to: within its document under doc_mask
             within = documents.positions[:, first : first + T] if documents is not None else at

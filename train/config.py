@@ -29,6 +29,8 @@ DECAYS = ("cosine", "linear", "constant", "wsd")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 NONFINITE = ("stop", "skip")
+OPTIMIZERS = ("adamw", "muon")
+MUON_ADJUST_LR = ("original", "match_rms_adamw")
 
 
 def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -51,6 +53,14 @@ class OptimConfig:
       starts a cooldown branch to a shorter dose: `branch_from`).
     decay_fraction: wsd only, the fraction of max_steps spent decaying (rounded to whole steps).
     grad_clip: global gradient-norm clipping (0 disables). Weight decay skips biases and norms.
+    name: adamw | muon (Muon on the hidden matrices, AdamW with the settings above on the rest:
+      `train.optim`); one schedule drives both, each group at its own peak (lr, muon_lr).
+    muon_lr, muon_weight_decay, muon_momentum: the Muon group's peak lr, decoupled weight decay, momentum.
+    muon_nesterov, muon_ns_steps: Nesterov momentum, Newton-Schulz iterations (ZeRO 1/2 run
+      DeepSpeed's Muon, which has Nesterov with 5 steps only).
+    muon_adjust_lr: original (lr x sqrt(max(1, fan_out/fan_in))) | match_rms_adamw (0.2 sqrt(max dim)).
+    qk_clip: MuonClip's threshold on each head's largest q.k logit, checked after every step
+      (`train.qk_clip`); null: off.
     """
 
     lr: float = 1e-3
@@ -64,9 +74,26 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    name: str = "adamw"
+    muon_lr: float = 0.02
+    muon_weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_adjust_lr: str = "original"
+    qk_clip: Optional[float] = None
 
     def __post_init__(self) -> None:
         _one_of("optim.decay", self.decay, DECAYS)
+        _one_of("optim.name", self.name, OPTIMIZERS)
+        _one_of("optim.muon_adjust_lr", self.muon_adjust_lr, MUON_ADJUST_LR)
+        if not self.muon_lr > 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_weight_decay < 0:
+            raise ValueError(f"optim.muon_lr={self.muon_lr!r} must be > 0, optim.muon_momentum="
+                             f"{self.muon_momentum!r} in [0, 1), optim.muon_weight_decay >= 0")
+        if not 1 <= self.muon_ns_steps < 100:
+            raise ValueError(f"optim.muon_ns_steps={self.muon_ns_steps!r} must be in [1, 99]")
+        if self.qk_clip is not None and not self.qk_clip > 0:
+            raise ValueError(f"optim.qk_clip={self.qk_clip!r} must be > 0 (null: off)")
         if not self.lr > 0:
             raise ValueError(f"optim.lr={self.lr!r} must be > 0")
         if not 0 <= self.min_lr <= self.lr:
@@ -236,7 +263,7 @@ class TrainConfig:
             raise ValueError(f"{self.name} continues a trained model: give init_from=<run, checkpoint or Hugging "
                              "Face directory> (or resume=auto to continue this run)")
         refusal = sequence_refusal(self.parallel.sequence, self.model.n_head, self.model.kv_heads,
-                                   self.model.max_seq_len)
+                                   self.model.max_seq_len) or muon_refusal(self) or qk_clip_refusal(self)
         if refusal:
             raise ValueError(refusal)
 
@@ -254,6 +281,37 @@ class TrainConfig:
                 f"x {ranks} that divides {self.batch_size // self.micro_batch_size}, or change batch_size"
             )
         return self.batch_size // per_step
+
+
+def muon_refusal(cfg: TrainConfig) -> str | None:
+    """The one-line refusal of `optim.name=muon` settings this run's ZeRO stage cannot train, or None."""
+    o, ds = cfg.optim, cfg.deepspeed
+    if o.name != "muon":
+        return None
+    if ds.offload_optimizer:
+        return "optim.name=muon with deepspeed.offload_optimizer=true: the CPU optimizer is Adam only; drop the offload"
+    if ds.zero_stage == 3:
+        return ("optim.name=muon with deepspeed.zero_stage=3 is not supported here (DeepSpeed's ZeRO-3 Muon is "
+                "untested in this framework); use deepspeed=zero1 or zero2")
+    if ds.zero_stage > 0 and (not o.muon_nesterov or o.muon_ns_steps != 5 or o.muon_adjust_lr != "original"):
+        return (f"optim.name=muon under deepspeed.zero_stage={ds.zero_stage} runs DeepSpeed's Muon, which has "
+                "Nesterov, 5 Newton-Schulz steps and the original lr adjustment only: set optim.muon_nesterov=true, "
+                "optim.muon_ns_steps=5, optim.muon_adjust_lr=original, or train under deepspeed=zero0")
+    return None
+
+
+def qk_clip_refusal(cfg: TrainConfig) -> str | None:
+    """The one-line refusal of `optim.qk_clip` where it cannot rescale the weights it measures, or None:
+    under ZeRO >= 1 the optimizer's partitions, not the module's weights, are the master copy; under
+    sequence parallelism no rank holds whole rows to measure."""
+    if cfg.optim.qk_clip is None:
+        return None
+    if cfg.deepspeed.zero_stage > 0:
+        return ("optim.qk_clip rescales the module's q and k weights, which under deepspeed.zero_stage="
+                f"{cfg.deepspeed.zero_stage} are not the optimizer's master copy: use deepspeed=zero0")
+    if cfg.parallel.sequence > 1:
+        return "optim.qk_clip measures whole rows: it needs parallel.sequence=1"
+    return None
 
 
 def wsd_decay_start(optim: OptimConfig, max_steps: int) -> int:

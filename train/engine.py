@@ -7,13 +7,17 @@ with AdamW and the warm-up/decay schedule.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from model.mup import lr_multiplier
 from train.config import ConfigError, TrainConfig
+from train.optim import build_muon
+from train.optim import param_groups as optim_groups
 from train.schedule import scheduler_factory
 
 
@@ -81,9 +85,26 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, *, load_universal: bool 
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    config.update(bf16_gradient_dtypes(precision, ds.zero_stage))
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     return config
+
+
+def bf16_gradient_dtypes(precision: str, zero_stage: int) -> dict[str, Any]:
+    """Under bf16, gradients accumulated over micro-batches and reduced over ranks in fp32, in every
+    ZeRO stage where DeepSpeed 0.19 can (`data_types.grad_accum_dtype`; docs/GPU.md, "fp32 gradient
+    accumulation"): stage 1 then takes DeepSpeed's BF16_Optimizer (fp32 gradient buffers), stages 2
+    and 3 their fp32 gradient partitions. Without it DeepSpeed accumulates in the model's dtype, bf16,
+    where 1 + 2^-8 rounds back to 1. The reduction is fp32 too (`communication_data_type`): summing
+    the ranks' gradients is the same accumulation, and a bf16 reduce rounds every partial sum to 8
+    bits; it costs twice the reduce traffic, small beside the step's compute at this project's scale.
+    Stage 0 is left in bf16: DeepSpeed refuses bf16 parameters with fp32 accumulation without ZeRO
+    (`NotImplementedError: unsupported mix`); use ZeRO 1 (the same memory, its optimizer state
+    partitioned) for fp32 accumulation. Tested in tests/test_grad_accum_dtype.py."""
+    if precision != "bf16" or zero_stage == 0:
+        return {}
+    return {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -94,9 +115,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; with optimizer offload, DeepSpeedCPUAdam (the step runs on the CPU, as ZeRO-Offload needs)."""
+    """AdamW, or Muon with AdamW (`optim.name=muon`: `train.optim`); with optimizer offload,
+    DeepSpeedCPUAdam (the step runs on the CPU, as ZeRO-Offload needs). Under `model.mup` every
+    group's lr carries its muP factor (`model.mup.lr_multiplier`)."""
     o = cfg.optim
-    groups = param_groups(model, o.weight_decay)
+    multiplier = partial(lr_multiplier, model) if cfg.model.mup else None
+    if o.name == "muon":
+        return build_muon(model, cfg, multiplier)
+    groups = param_groups(model, o.weight_decay) if multiplier is None else optim_groups(model, cfg, multiplier)
     if cfg.deepspeed.offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

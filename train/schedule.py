@@ -16,8 +16,9 @@ import torch
 from train.config import OptimConfig, wsd_decay_start
 
 # Per-group optimizer settings taken from the config the optimizer was built with (the checkpoint's
-# param groups carry the values of the run that wrote it).
-GROUP_SETTINGS = ("betas", "eps", "weight_decay")
+# param groups carry the values of the run that wrote it). `lr_scale`: a group's peak lr relative to
+# optim.lr (Muon's group, muP's per-layer factors: `train.optim`); 1 where a group has none.
+GROUP_SETTINGS = ("betas", "eps", "weight_decay", "lr_scale", "momentum", "nesterov", "ns_steps", "adjust_lr_fn")
 
 
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
@@ -61,7 +62,8 @@ class Schedule(torch.optim.lr_scheduler.LRScheduler):
         super().__init__(optimizer)
 
     def get_lr(self) -> list[float]:
-        return [lr_at(self.last_epoch, self.optim, self.max_steps)] * len(self.optimizer.param_groups)
+        lr = lr_at(self.last_epoch, self.optim, self.max_steps)
+        return [lr * group.get("lr_scale", 1.0) for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_epoch": self.last_epoch, "_step_count": self._step_count}
@@ -81,8 +83,8 @@ class Schedule(torch.optim.lr_scheduler.LRScheduler):
         lr = lr_at(self.last_epoch, self.optim, self.max_steps)
         for group, settings in zip(self.optimizer.param_groups, self.group_settings, strict=True):
             group.update(settings)
-            group["lr"] = lr
-        self._last_lr = [lr] * len(self.optimizer.param_groups)
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
 def scheduler_factory(optim: OptimConfig, max_steps: int):

@@ -34,6 +34,7 @@ from model.config import ModelConfig, upgrade_saved
 from train import checkpoint
 from train.checkpoint import ORIGIN, CheckpointError, older_hint, saved_config
 from train.config import TrainConfig
+from train.modifiers import check_kept
 
 KINDS = ("fresh", "resume", "branch", "init_from", "finished")
 
@@ -87,8 +88,11 @@ def plan_start(cfg: TrainConfig) -> Start:
     model = cfg.model
     if source is not None:
         model = combine(source.model, cfg.model, source.where)
-    elif init_from is not None and checkpoint.saved_model(init_from).attention == cfg.model.attention:
-        checkpoint.check_compatible(init_from, cfg.model)  # a conversion checks its own shapes (exit 2 too)
+    elif init_from is not None:
+        saved = checkpoint.saved_model(init_from)
+        check_kept(saved, cfg.model, f"init_from={init_from}")  # a modifier it learned (exit 2)
+        if saved.attention == cfg.model.attention:
+            checkpoint.check_compatible(init_from, cfg.model)  # a conversion checks its own shapes (exit 2 too)
     planned = cfg if model is cfg.model else replace(cfg, model=model)
     written = None
     if resumed is not None:

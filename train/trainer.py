@@ -41,6 +41,7 @@ from train.flops import device_peak_flops, flops_per_token
 from train.inputs import counted_targets, documents_eos, model_inputs
 from train.load import fp32_state_dict
 from train.metrics import Reporter, Throughput, peak_memory_gb, records_up_to
+from train.modifiers import neutral_start
 from train.restore import plan_resume, restore
 from train.schedule import lr_at
 from train.start import ModelSource, Start
@@ -307,16 +308,17 @@ def _build_model(start: Start, sp: Optional[SequenceParallel]) -> GPT:
     checkpoint.seed_all(cfg.seed)
     model = GPT(cfg.model)
     if start.init_from is not None:
-        model.load_state_dict(_initial_state(start))
+        model.load_state_dict(_initial_state(start, model))
     enable(model, sp)
     if cfg.compile:
         model.compile_blocks()
     return model
 
 
-def _initial_state(start: Start) -> dict[str, torch.Tensor]:
-    """init_from's weights, converted where this run has another attention (`model.convert`:
-    Origin to CoCA, T per `design_params.coca.t_init`, or to ALiBi), which it then says on stderr
+def _initial_state(start: Start, model: GPT) -> dict[str, torch.Tensor]:
+    """init_from's weights for `model`, converted where this run has another attention
+    (`model.convert`: Origin to CoCA, T per `design_params.coca.t_init`, or to ALiBi), else with the
+    modifiers this run adds at their neutral start (`train.modifiers`); either is said on stderr
     (rank 0)."""
     cfg, source, init_from = start.cfg, start.source, start.init_from
     if source is not None and source.hf is not None:
@@ -327,6 +329,9 @@ def _initial_state(start: Start) -> dict[str, torch.Tensor]:
             checkpoint.check_compatible(init_from, cfg.model)
         state = fp32_state_dict(init_from)
     if source_model.attention == cfg.model.attention:
+        state, said = neutral_start(model, state, source_model)
+        if said and dist.is_main():
+            print(f"init_from {init_from}: {said}", file=sys.stderr)
         return state
     state, done = convert(state, source_model, cfg.model, seed=cfg.seed)
     if dist.is_main():

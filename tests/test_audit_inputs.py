@@ -1,0 +1,102 @@
+"""The reliability audit's bad inputs (issue 63): each one a single `error:` line with its exit code
+(errors.py: 1 unusable input, 2 bad usage), or a start that says what it did, where they used to
+give a traceback, a hang or an unclear outcome. Most are decided before any training (`plan_start`,
+the config's checks, the import of a Hugging Face directory, the launchers' settings), so they are
+tested in-process on checkpoints written here without DeepSpeed, or on launchers that refuse before
+they train."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from errors import EXIT_USAGE, ConfigError, exit_code
+from model import GPT, ModelConfig
+from train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ModelConfig(n_layer=2, n_head=2, n_embd=32, ffn_hidden=64, max_seq_len=32, vocab_size=512)
+
+
+def _checkpoint(run_dir: Path, model: GPT, step: int = 2, max_steps: int = 2, **train) -> Path:
+    """A complete ZeRO-0 fp32 checkpoint of `model` as a run writes it (its module's state, its config,
+    the COMPLETE marker with every file's size), without DeepSpeed."""
+    ckpt = run_dir / "checkpoints" / f"step_{step:08d}"
+    ckpt.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, ckpt / "mp_rank_00_model_states.pt")
+    cfg = TrainConfig(model=model.cfg, max_steps=max_steps, run_dir=str(run_dir), **train)
+    (ckpt / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    files = {p.name: p.stat().st_size for p in ckpt.iterdir()}
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": step, "world_size": 1, "sequence": 1, "precision": "fp32",
+                                               "zero_stage": 0, "files": files}))
+    return ckpt
+
+
+def _logits(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    out = model.eval()(tokens)
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --- init_from a model without the modifiers this run adds, or with ones it drops ----------------
+@pytest.fixture(scope="module")
+def origin_run(tmp_path_factory) -> Path:
+    """A plain Origin run's checkpoint (random weights: what matters is that they are carried)."""
+    torch.manual_seed(0)
+    run = tmp_path_factory.mktemp("origin") / "run"
+    _checkpoint(run, GPT(TINY))
+    return run
+
+
+@pytest.mark.parametrize("modifiers, neutral", [(("sinks",), True), (("ssmax",), False), (("qk_norm",), False),
+                                                (("sinks", "ssmax", "qk_norm"), False)])
+def test_init_from_adds_modifiers_at_their_neutral_start(origin_run, modifiers, neutral, tmp_path, capsys):
+    """`init_from=<plain Origin run> model.sinks=true ...` was a `Missing key(s)` traceback: the added
+    parameters now start neutral and the start says how, in one line. Sinks alone are neutral (the
+    source's logits, bitwise); SSMax is neutral for the first query (one key) only; QK-norm is not."""
+    from train.start import plan_start
+    from train.trainer import _initial_state
+
+    target = replace(TINY, **{name: True for name in modifiers})
+    start = plan_start(TrainConfig(model=target, init_from=str(origin_run), run_dir=str(tmp_path / "new")))
+    model = GPT(target)
+    model.load_state_dict(_initial_state(start, model))  # strict: every parameter given
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"init_from {origin_run}"), said
+    assert all(f"model.{name}" in said[0] for name in modifiers)
+    assert ("not neutral" in said[0]) == ("qk_norm" in modifiers)
+    source = GPT(TINY)
+    source.load_state_dict(torch.load(next(origin_run.glob("checkpoints/*/mp_rank_00_model_states.pt")))["module"])
+    tokens = torch.randint(0, TINY.vocab_size, (2, TINY.max_seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = _logits(model, tokens), _logits(source, tokens)
+    assert torch.equal(ours, theirs) == neutral
+    if modifiers == ("ssmax",):  # a query that sees one key attends to it whatever its scale
+        assert torch.equal(ours[:, 0], theirs[:, 0])
+    for layer in range(TINY.n_layer):
+        attn = model.h[layer].attn
+        if "sinks" in modifiers:
+            assert torch.all(attn.sinks == -20.0)
+        if "ssmax" in modifiers:
+            assert torch.equal(attn.ssmax.detach(), torch.full((2,), 1 / math.log(32)))
+        if "qk_norm" in modifiers:
+            assert torch.all(attn.q_norm.weight == 1) and torch.all(attn.k_norm.weight == 1)
+
+
+def test_init_from_a_run_with_modifiers_into_a_model_without_them_is_refused(tmp_path):
+    """The reverse (`Unexpected key(s)` before): refused before anything starts, naming the parameters."""
+    from train.start import plan_start
+
+    run = tmp_path / "sinks_run"
+    _checkpoint(run, GPT(replace(TINY, sinks=True, qk_norm=True)))
+    with pytest.raises(ConfigError) as refused:
+        plan_start(TrainConfig(model=TINY, init_from=str(run), run_dir=str(tmp_path / "new")))
+    message = str(refused.value)
+    assert exit_code(refused.value) == EXIT_USAGE and "\n" not in message
+    for needle in ("model.sinks=true", "model.qk_norm=true", "h.*.attn.sinks", "h.*.attn.q_norm."):
+        assert needle in message, message

@@ -145,15 +145,79 @@ def test_each_benchmark_and_test_needs_only_requirements_dev_txt(command):
     assert not undeclared(command, REPO / "requirements-dev.txt", no_deps=True)
 
 
-def test_every_readme_command_is_checked():
-    """A `python -m X` or `python X.py` in the README is a runtime or a dev-only command above."""
-    readme = (REPO / "README.md").read_text()
-    commands = set(re.findall(r"python -m ([\w.]+)", readme))
-    commands |= {".".join(Path(p).with_suffix("").parts) for p in re.findall(r"python ([\w/]+\.py)", readme)}
-    commands -= {"pytest"}
-    assert commands, "no commands found in README.md"
+USER_DOCS = ("README.md", "docs/GUIDE.md", "docs/BENCHMARKS.md", "docs/GPU.md")
+
+
+@pytest.mark.parametrize("doc", USER_DOCS)
+def test_every_documented_command_is_checked(doc):
+    """A `python -m X` or `python X.py` in the README or the user docs it points to is a runtime or a
+    dev-only command above."""
+    text = (REPO / doc).read_text()
+    commands = set(re.findall(r"python -m ([\w.]+)", text))
+    commands |= {".".join(Path(p).with_suffix("").parts) for p in re.findall(r"python ([\w/]+\.py)", text)}
+    commands -= {"pytest", "pip", "venv"}
+    assert commands, f"no commands found in {doc}"
     unchecked = {c for c in commands if c not in RUNTIME and c.split(".")[0] not in DEV_ONLY_PACKAGES}
     assert not unchecked, unchecked
+
+
+def test_readme_opens_with_the_install_and_stays_short():
+    """A newcomer meets the install command on the first screen, and the README stays a front page
+    (the narrative lives in docs/)."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines, 1) if line.startswith("pip install -r requirements.txt"))
+    assert first <= 40 and len(lines) <= 400, (first, len(lines))
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """`constraints.txt`'s `name==version` lines, by normalised name."""
+    pins = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#")[0].strip()
+        if line:
+            requirement = Requirement(line)
+            (spec,) = requirement.specifier
+            assert spec.operator == "==", f"{path.name}: {line} is not a pin"
+            pins[_normal(requirement.name)] = spec.version
+    return pins
+
+
+def unpinned(requirements: Path, constraints: Path) -> list[str]:
+    """Each requirement (but torch, which the user installs for their hardware) that the constraints
+    file does not pin to a version the requirement admits."""
+    pins = _pins(constraints)
+    problems = []
+    for name in sorted(declared(requirements) - {"torch"}):
+        if name not in pins:
+            problems.append(f"{name} has no pin")
+    for raw in requirements.read_text().splitlines():
+        line = raw.split("#")[0].strip()
+        if line and not line.startswith("-r"):
+            requirement = Requirement(line)
+            pin = pins.get(_normal(requirement.name))
+            if pin is not None and not requirement.specifier.contains(pin, prereleases=True):
+                problems.append(f"{requirement.name}=={pin} is outside {requirement.specifier}")
+    return problems
+
+
+def test_constraints_pin_every_requirement_within_its_range():
+    """The tested versions CI and the README install (`-c constraints.txt`) cover every requirement
+    and agree with its range, so a fresh machine gets what CI passed with."""
+    constraints = REPO / "constraints.txt"
+    assert "torch" not in _pins(constraints)
+    for requirements in ("requirements.txt", "requirements-dev.txt"):
+        assert not unpinned(REPO / requirements, constraints)
+
+
+def test_an_unpinned_or_conflicting_requirement_is_caught(tmp_path):
+    """The check fails when a requirement has no pin, or a pin its range excludes."""
+    pins = (REPO / "constraints.txt").read_text().splitlines()
+    dropped = tmp_path / "dropped.txt"
+    dropped.write_text("\n".join(line for line in pins if not line.lower().startswith("scipy==")) + "\n")
+    assert "scipy has no pin" in unpinned(REPO / "requirements.txt", dropped)
+    narrow = tmp_path / "requirements.txt"
+    narrow.write_text("scipy<1\n")
+    assert any(line.startswith("scipy==") for line in unpinned(narrow, REPO / "constraints.txt"))
 
 
 def test_the_closure_follows_project_modules_and_deferred_imports():

@@ -14,6 +14,7 @@ import time
 import warnings
 
 from train import distributed as dist
+from train import qk_clip
 from train.start import Start
 from train.stop import StopRequest
 from train.trainer import NonFiniteLossError, setup, summary
@@ -38,11 +39,19 @@ def run(start: Start) -> int:
                   file=sys.stderr)
         return 0
     trainer = setup(start, stop)
+    threshold = cfg.optim.qk_clip
+    degree = qk_clip.degrees(trainer.engine.module) if threshold is not None else None
     exit_code = 0
     try:
         while not trainer.done:
             outcome = trainer.train_step()
             trainer.report(outcome)
+            if degree is not None:  # MuonClip: the heads above the threshold, rescaled before the next step
+                clipped = qk_clip.clip(trainer.engine.module, [b["idx"] for b in trainer.step_inputs], threshold,
+                                       degree)
+                if trainer.progress.step % cfg.logger.log_every == 0 or any(
+                        v for k, v in clipped.items() if k.startswith("qk_clipped")):
+                    trainer.reporter.log({"step": trainer.progress.step, **clipped})
             with trainer.throughput.paused():  # tokens/s measures training only
                 trainer.validate_if_due()
                 if outcome.stopping and not trainer.done:  # at max_steps the run is simply done

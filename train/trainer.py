@@ -79,6 +79,7 @@ class Trainer:
     shard: tuple[int, int] = (0, 1)  # this rank's share of every row: (index, parallel.sequence)
     consecutive_skips: int = 0
     val_loss: Optional[float] = None  # the newest validation loss
+    step_inputs: list = field(default_factory=list)  # the last step's planned micro-batches (`train.qk_clip`)
     batches: Any = field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,7 +95,7 @@ class Trainer:
         lr = engine.get_lr()[0]
         grad_accum = cfg.grad_accum(dist.data_parallel(cfg.parallel.sequence)[1])
         step = progress.step + 1
-        planned = [self._next_micro_batch(step) for _ in range(grad_accum)]
+        planned = self.step_inputs = [self._next_micro_batch(step) for _ in range(grad_accum)]
         totals = backward_micro_batches(engine, self._micro_batches(step, planned),
                                         loss_normaliser(planned, grad_accum), grad_accum,
                                         kept=lambda loss: self._kept(step, loss))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from errors import EXIT_USAGE, ConfigError, exit_code
+from errors import EXIT_INPUT, EXIT_USAGE, ConfigError, exit_code
 from model import GPT, ModelConfig
 from train.config import TrainConfig
 
@@ -100,3 +100,71 @@ def test_init_from_a_run_with_modifiers_into_a_model_without_them_is_refused(tmp
     assert exit_code(refused.value) == EXIT_USAGE and "\n" not in message
     for needle in ("model.sinks=true", "model.qk_norm=true", "h.*.attn.sinks", "h.*.attn.q_norm."):
         assert needle in message, message
+
+
+# --- branches and the WSD schedule -------------------------------------------------------------------
+def _train_main(capsys, *overrides: str) -> tuple[int, str]:
+    """`python -m train` in this process (it refuses before DeepSpeed starts): its exit code and stderr."""
+    from train.__main__ import main
+
+    code = main(["logger=none", "logger.progress=false", *overrides])
+    return code, capsys.readouterr().err
+
+
+def _one_line(code: int, err: str, expected: int, *needles: str) -> str:
+    lines = err.strip().splitlines()
+    assert code == expected and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _wsd_source(root: Path) -> tuple[Path, Path]:
+    """A WSD run's checkpoints at steps 4 and 6 (its stable phase), the newer one damaged: cut short."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    train = dict(optim=replace(TrainConfig().optim, decay="wsd", decay_fraction=0.5, warmup_steps=1))
+    older = _checkpoint(root, model, step=4, max_steps=20, **train)
+    newer = _checkpoint(root, model, step=6, max_steps=20, **train)
+    weights = newer / "mp_rank_00_model_states.pt"
+    weights.write_bytes(weights.read_bytes()[:100])
+    return older, newer
+
+
+def test_branch_from_a_damaged_checkpoint_names_the_sound_one_as_branch_from(tmp_path, capsys):
+    """It used to suggest `resume=<older>`, which a branch refuses."""
+    older, newer = _wsd_source(tmp_path / "source")
+    code, err = _train_main(capsys, f"run_dir={tmp_path / 'branch'}", f"branch_from={newer}", "resume=auto",
+                            "max_steps=10", "optim.decay=wsd", "optim.warmup_steps=1")
+    line = _one_line(code, err, EXIT_INPUT, f"checkpoint {newer} is corrupt",
+                     f"branch_from={older} branches from step 4")
+    assert "resume=" not in line
+    assert not (tmp_path / "branch").exists()
+
+
+def test_branch_from_a_checkpoint_at_max_steps_is_refused(tmp_path, capsys):
+    """It exited 0 saying `checkpoint None`, and suggested evaluating a run with no checkpoint."""
+    older, _ = _wsd_source(tmp_path / "source")
+    code, err = _train_main(capsys, f"run_dir={tmp_path / 'branch'}", f"branch_from={older}", "resume=auto",
+                            "max_steps=4", "optim.decay=wsd", "optim.warmup_steps=1")
+    _one_line(code, err, EXIT_USAGE, f"branch_from={older} is at step 4", "max_steps=4: nothing to train",
+              "set max_steps > 4")
+    assert not (tmp_path / "branch").exists()
+
+
+@pytest.mark.parametrize("fraction, steps, refused", [(0.05, 10, True), (0.1, 10, False), (0.02, 25, True),
+                                                      (0.04, 25, False)])
+def test_a_wsd_decay_that_rounds_to_no_step_is_refused(fraction, steps, refused, tmp_path, capsys):
+    """0.05 of 10 steps rounded to a 0-step decay: the run trained at a constant learning rate, silently."""
+    from train.config import wsd_decay_start
+
+    overrides = ["experiment=micro", "optim.decay=wsd", f"optim.decay_fraction={fraction}", f"max_steps={steps}",
+                 "optim.warmup_steps=1", f"run_dir={tmp_path / 'run'}", "--cfg", "job"]
+    code, err = _train_main(capsys, *overrides)
+    if refused:
+        _one_line(code, err, EXIT_USAGE, f"decay ({fraction:g} of max_steps={steps}) rounds to 0 steps",
+                  f"optim.decay_fraction >= {1 / steps:g}")
+        optim = replace(TrainConfig().optim, decay="wsd", decay_fraction=1 / steps)
+        assert wsd_decay_start(optim, steps) == steps - 1  # the fraction it suggests decays one step
+    else:
+        assert code == 0 and err == "", err

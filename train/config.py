@@ -259,6 +259,11 @@ class TrainConfig:
                              f"max_steps={self.max_steps}) would start inside the "
                              f"{self.optim.warmup_steps}-step warm-up: lower optim.decay_fraction "
                              "or optim.warmup_steps")
+        if self.optim.decay == "wsd" and wsd_decay_start(self.optim, self.max_steps) == self.max_steps:
+            raise ValueError(f"optim.decay=wsd: the decay ({self.optim.decay_fraction:g} of "
+                             f"max_steps={self.max_steps}) rounds to 0 steps, a constant learning rate: set "
+                             "optim.decay_fraction >= "
+                             f"{1 / self.max_steps:g} (one step)")
         if self.continues and self.resume is None and self.init_from is None:
             raise ValueError(f"{self.name} continues a trained model: give init_from=<run, checkpoint or Hugging "
                              "Face directory> (or resume=auto to continue this run)")

@@ -33,7 +33,7 @@ from hf.imports import read as read_hf
 from model.config import ModelConfig, upgrade_saved
 from train import checkpoint
 from train.checkpoint import ORIGIN, CheckpointError, older_hint, saved_config
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 from train.modifiers import check_kept
 
 KINDS = ("fresh", "resume", "branch", "init_from", "finished")
@@ -103,9 +103,22 @@ def plan_start(cfg: TrainConfig) -> Start:
     elif resumed is not None:
         own = checkpoint.complete_checkpoints(cfg.run_dir)
         kind = "branch" if cfg.branch_from and not own else "resume"
+        _check_steps_left(cfg, resumed, kind)
     else:
         kind = "init_from" if init_from is not None else "fresh"
     return Start(kind, planned, resumed, init_from, source, written)
+
+
+def _check_steps_left(cfg: TrainConfig, ckpt: Path, kind: str) -> None:
+    """A resume or branch with nothing to train (its checkpoint at max_steps, not the run's own
+    finished one) would end at once with no checkpoint of its own: refused (exit 2). Past max_steps,
+    `train.resume.check` refuses it."""
+    step = checkpoint.marker(ckpt)["step"]
+    if step != cfg.max_steps:
+        return
+    given = f"branch_from={cfg.branch_from}" if kind == "branch" else f"resume={cfg.resume}"
+    raise ConfigError(f"{given} is at step {step} and this run has max_steps={cfg.max_steps}: nothing to train; "
+                      f"set max_steps > {step}")
 
 
 def checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
@@ -116,7 +129,7 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
         found = checkpoint.complete_checkpoints(cfg.run_dir)
         if found:
             return found[-1]
-        return checkpoint.find_checkpoint(cfg.branch_from) if cfg.branch_from else None
+        return branch_source(cfg.branch_from) if cfg.branch_from else None
     if cfg.resume:
         return checkpoint.find_checkpoint(cfg.resume)
     found = checkpoint.complete_checkpoints(cfg.run_dir)
@@ -125,7 +138,37 @@ def checkpoint_to_resume(cfg: TrainConfig) -> Path | None:
             f"run_dir {cfg.run_dir} already holds checkpoints (newest {found[-1].name}): pass resume=auto "
             "to continue that run, or set name=<new name> for a new one"
         )
-    return checkpoint.find_checkpoint(cfg.branch_from) if cfg.branch_from else None
+    return branch_source(cfg.branch_from) if cfg.branch_from else None
+
+
+def branch_source(path: str) -> Path:
+    """The checkpoint `branch_from` names, checked whole (every file at its written size); a
+    damaged or incomplete one is refused naming the newest sound one before it as `branch_from=`
+    (a branch takes no `resume=<path>`)."""
+    ckpt = Path(path)
+    try:
+        ckpt = checkpoint.find_checkpoint(path)
+        checkpoint.verify(ckpt)
+    except CheckpointError as error:
+        message = str(error).removesuffix(checkpoint.older_hint(ckpt))
+        older = _sound_before(ckpt)
+        hint = (f"; branch_from={older} branches from step {checkpoint.marker(older)['step']}, the newest sound "
+                "checkpoint before it" if older is not None else "")
+        raise CheckpointError(message + hint) from None
+    return ckpt
+
+
+def _sound_before(ckpt: Path) -> Optional[Path]:
+    """The newest complete checkpoint of `ckpt`'s run before it whose files are all sound, if any."""
+    if ckpt.parent.name != "checkpoints":
+        return None
+    for older in reversed([p for p in checkpoint.complete_checkpoints(ckpt.parent.parent) if p.name < ckpt.name]):
+        try:
+            checkpoint.verify(older)
+        except CheckpointError:
+            continue
+        return older
+    return None
 
 
 def _finished(cfg: TrainConfig, resumed: Path | None) -> bool:

@@ -11,18 +11,25 @@ weights carry those names), the KV cache, and generation's inputs.
 
 Inputs it takes, and refuses in one line:
 - `input_ids` only (no `inputs_embeds`);
-- `attention_mask` all ones, or, without a cache, zeros only at the end of rows (right padding:
-  causal attention keeps the real tokens as they are; their logits there mean nothing). Left
-  padding, padding inside a row, or a padded batch continued over a cache (as `generate` does
-  with one) is refused: pad on the right for scoring, and generate row by row;
-- `position_ids` only as those positions count anyway (from the cache's length, one per token).
+- `attention_mask` [B, cached + new tokens] (or [B, new tokens]) whose zeros in each row are
+  padding before its real tokens (left padding, as batched `generate` and lm-eval's generation
+  tasks pad), after them (right padding), or both; each row then computes what it computes alone:
+  its positions count from its first real token, and its padding is no key of any real token
+  (its own logits there are zeros or mean nothing). Without a cache the batch runs at once, the
+  padding as a document of its own (`model.documents`); with one (`generate`), each row's real
+  tokens run on their own over that row's part of the cache, whose padded places hold zeros.
+  Padding inside a row (a zero between real tokens; right padding continued over a cache) is
+  refused: the row without it would be a different computation, which no document mask gives.
+  So is padding under dynamic NTK, whose RoPE base follows each row's own length;
+- `position_ids` only as those positions count anyway (from each row's first real token, one per
+  token; transformers' own `attention_mask.cumsum(-1) - 1`).
 Weights are shared between the places transformers names and the decoder's own modules; one
 device: `device_map` cannot split it.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -135,9 +142,12 @@ def check_rope_parameters(config: CocaLMConfig) -> None:
 
 
 def decoder_config(config: CocaLMConfig):
-    """coca-lm's `ModelConfig` of this config, as it stands (a RoPE scaling set after loading included)."""
+    """coca-lm's `ModelConfig` of this config, as it stands (a RoPE scaling set after loading
+    included), with document masking and restarting positions on: a padded batch's padding runs as
+    a document of its own (`CocaLMForCausalLM._padded`); a batch without documents is unchanged."""
     check_rope_parameters(config)
-    return model_config({**config.to_dict(), "model_type": "coca_lm"}, "config")
+    return replace(model_config({**config.to_dict(), "model_type": "coca_lm"}, "config"), doc_mask=True,
+                   doc_positions=True)
 
 
 # ---- the KV cache: our KVCache's interface over a transformers Cache --------------------------------
@@ -200,26 +210,148 @@ class _Cache:
         self.cache.__dict__.pop("coca_lm_tokens", None)
 
 
-def check_inputs(input_ids, attention_mask, position_ids, inputs_embeds, past: int) -> None:
-    """Refuse in one line what the decoder cannot take (module docstring)."""
+class _RowLayerCache:
+    """One layer's `LayerCache` interface for one row of a padded batch: that row's real cached
+    keys, values and terms (those after its padding); what it appends now (`new`, FoX Pro's `last`)
+    is kept for `_RowCache.commit`, which writes every row's into the batch's cache at once."""
+
+    def __init__(self, cache: Cache, index: int, row: int, pad: int, past: int):
+        self.cache, self.index, self.past = cache, index, past
+        self.rows, self.tokens = slice(row, row + 1), slice(pad, past)
+        self.new: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, terms: torch.Tensor | None = None):
+        self.new = (k, v, terms)
+        if self.tokens.start >= self.past:  # none of this row's real tokens is cached yet
+            return k, v, terms
+        layer = self.cache.layers[self.index]
+        k = torch.cat((layer.keys[self.rows, :, self.tokens], k), dim=-2)
+        v = torch.cat((layer.values[self.rows, :, self.tokens], v), dim=-2)
+        if terms is not None:
+            held = self.cache.__dict__["coca_lm_terms"][self.index]
+            terms = torch.cat((held[self.rows, :, self.tokens], terms), dim=-1)
+        return k, v, terms
+
+    def previous_inputs(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FoX Pro's last unshifted k and v of this row (`_LayerCache.previous_inputs`)."""
+        self.last = (k[..., -1:, :], v[..., -1:, :])
+        if self.tokens.start >= self.past:
+            return None
+        kept = self.cache.__dict__.get("coca_lm_last", {}).get(self.index)
+        if kept is None or kept[0] != self.past:
+            raise ValueError("FoX Pro shifts each key and value toward its predecessor's, which this cache no "
+                             "longer holds (it was cropped or filled elsewhere): generate without cropping")
+        return kept[1][0][self.rows], kept[1][1][self.rows]
+
+
+def _placed(parts: list[torch.Tensor | None], tokens: int, dim: int) -> torch.Tensor:
+    """One row's tensors [1, ...] (None: a row with nothing) as a batch with `tokens` places along
+    `dim`: each row's at the end, zeros before (its padding)."""
+    like = next(part for part in parts if part is not None)
+    shape = [len(parts), *like.shape[1:]]
+    shape[dim] = tokens
+    out = like.new_zeros(shape)
+    for b, part in enumerate(parts):
+        if part is not None:
+            out[b : b + 1].narrow(dim, tokens - part.shape[dim], part.shape[dim]).copy_(part)
+    return out
+
+
+class _RowCache:
+    """`model.gpt.KVCache`'s interface for one row of a padded batch over a transformers Cache: the
+    row's real tokens only (its cached ones after its padding), so that the decoder computes what
+    the row computes alone. The batch's cache is written by `commit`, once every row has run."""
+
+    def __init__(self, cache: Cache, n_layer: int, row: int, pad: int):
+        past = cache.get_seq_length()
+        self.layers = [_RowLayerCache(cache, i, row, pad, past) for i in range(n_layer)]
+        self.length = max(0, past - pad)
+        self.tokens = None  # read only under dynamic NTK, which padding refuses
+
+    def record(self, idx: torch.Tensor) -> None:
+        """No token ids are kept for a padded batch: only dynamic NTK reads them."""
+
+    @staticmethod
+    def commit(cache: Cache, rows: list[_RowCache | None], tokens: int) -> None:
+        """Append every row's new keys, values and terms (at the end of `tokens` places, zeros before:
+        its padding; a row that ran nothing (None) zeros only) to the batch's cache, each layer's,
+        and FoX Pro's last inputs of the rows that ran beside it."""
+        past = cache.get_seq_length()
+        ran = next(row for row in rows if row is not None)
+        for i, layer in enumerate(ran.layers):
+            new = [None if row is None else row.layers[i].new for row in rows]
+            k, v = (_placed([None if n is None else n[part] for n in new], tokens, -2) for part in (0, 1))
+            terms = None if layer.new[2] is None else _placed([None if n is None else n[2] for n in new], tokens, -1)
+            _LayerCache(cache, i).append(k, v, terms)
+            if layer.last is not None:
+                store = cache.__dict__.setdefault("coca_lm_last", {})
+                held = store.get(i, (past, tuple(x.new_zeros(len(rows), *x.shape[1:]) for x in layer.last)))[1]
+                last = tuple(x.clone() for x in held)
+                for b, row in enumerate(rows):
+                    if row is not None:
+                        last[0][b], last[1][b] = row.layers[i].last[0][0], row.layers[i].last[1][0]
+                store[i] = (past + tokens, last)
+
+
+def padding(attention_mask: torch.Tensor | None, T: int, past: int, held: torch.Tensor | None) -> torch.Tensor | None:
+    """The batch's mask over its cached and new tokens [B, past + T] (True: a real token), or None
+    where every token is real. held: the mask the cache was filled under (None: all real). Refused
+    in one line: a mask of another length, one that disagrees with the cache's, padding inside a
+    row, a row without a real token."""
+    if attention_mask is None and held is None:
+        return None
+    B = attention_mask.shape[0] if attention_mask is not None else held.shape[0]
+    device = attention_mask.device if attention_mask is not None else held.device
+    before = torch.ones(B, past, dtype=torch.bool, device=device)
+    if held is not None:
+        n = min(past, held.shape[-1])
+        before[:, :n] = held[:, :n].to(device)
+    if attention_mask is None:
+        mask = torch.cat((before, torch.ones(B, T, dtype=torch.bool, device=device)), dim=1)
+    else:
+        given = attention_mask.bool()
+        if given.dim() != 2 or given.shape[-1] not in (T, past + T):
+            raise ValueError(f"attention_mask must be [batch, cached + new tokens] = [B, {past + T}] (or [B, {T}]), "
+                             f"got {tuple(attention_mask.shape)}")
+        if given.shape[-1] == past + T and past and not torch.equal(given[:, :past], before):
+            raise ValueError("attention_mask's cached part disagrees with the padding the cache was filled with")
+        mask = torch.cat((before, given[:, -T:]), dim=1)
+    if bool(mask.all()):
+        return None
+    real = mask.sum(dim=-1)
+    first = mask.int().argmax(dim=-1)
+    last = mask.shape[-1] - 1 - mask.flip(-1).int().argmax(dim=-1)
+    if bool((real == 0).any()) or bool((last - first + 1 != real).any()):
+        raise ValueError("the exported coca-lm decoder takes padding before or after a row's real tokens, not "
+                         "between them (nor right padding continued over a cache), and no row of padding only")
+    return mask
+
+
+def check_inputs(input_ids, attention_mask, position_ids, inputs_embeds, past: int,
+                 held: torch.Tensor | None) -> torch.Tensor | None:
+    """Refuse in one line the inputs the decoder cannot take (module docstring); the batch's mask
+    over the cached and new tokens (`padding`), None where every token is real."""
     if inputs_embeds is not None or input_ids is None:
         raise ValueError("the exported coca-lm decoder takes input_ids, not inputs_embeds")
     T = input_ids.shape[1]
-    padded = None  # [B, T] where padding is (right padding: its positions are not read)
-    if attention_mask is not None and not bool(attention_mask.all()):
-        mask = attention_mask.bool()
-        if past or mask.shape[-1] != T or bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-            raise ValueError("the exported coca-lm decoder takes no left padding or padding inside a row, and no "
-                             "padded batch over a cache: pad on the right for scoring, and generate row by row")
-        padded = ~mask
-    if position_ids is not None:
-        wrong = position_ids.shape[-1] != T
-        if not wrong:  # a padded token's position is not read (generate writes 1 there)
-            off = position_ids != torch.arange(past, past + T, device=position_ids.device)
-            wrong = bool((off if padded is None else off & ~padded.to(off.device)).any())
-        if wrong:
-            raise ValueError(f"position_ids must count from the cache's length ({past}) one per token: the "
-                             "exported coca-lm decoder computes its positions itself")
+    mask = padding(attention_mask, T, past, held)
+    if position_ids is None:
+        return mask
+    wrong = position_ids.shape[-1] != T
+    if not wrong:  # a padded token's position is not read (generate writes 0 there)
+        counted = torch.arange(past, past + T, device=position_ids.device)
+        if mask is None:
+            wrong = bool((position_ids != counted).any())
+        else:
+            real = mask[:, -T:].to(position_ids.device)
+            pads = (mask.cumsum(dim=-1) == 0).sum(dim=-1).to(position_ids.device)
+            wrong = bool(((position_ids != counted - pads[:, None]) & real).any())
+    if wrong:
+        raise ValueError(f"position_ids must count from each row's first real token, one per token (here from the "
+                         f"cache's length, {past}, less the row's padding): the exported coca-lm decoder computes its "
+                         "positions itself")
+    return mask
 
 
 # ---- the model ---------------------------------------------------------------------------------------
@@ -313,16 +445,56 @@ class CocaLMForCausalLM(CocaLMPreTrainedModel, GenerationMixin):
         if use_cache and cache is None:
             cache = DynamicCache()
         cache = cache if use_cache else None
-        check_inputs(input_ids, attention_mask, position_ids, inputs_embeds, cache.get_seq_length() if cache else 0)
+        past = cache.get_seq_length() if cache is not None else 0
+        held = cache.__dict__.get("coca_lm_mask") if cache is not None else None
+        mask = check_inputs(input_ids, attention_mask, position_ids, inputs_embeds, past, held)
         self._sync()
         gpt = self.decoder
         keep = logits_to_keep if labels is None else 0
-        h = gpt.hidden_states(input_ids, None if cache is None else _Cache(cache, gpt.cfg.n_layer), keep=keep)
+        if mask is None:
+            h = gpt.hidden_states(input_ids, None if cache is None else _Cache(cache, gpt.cfg.n_layer), keep=keep)
+        else:
+            h = self._padded(input_ids, mask, cache, keep)
         logits = gpt.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+
+    def _padded(self, input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache | None, keep: int) -> torch.Tensor:
+        """Final hidden states of a padded batch (`padding`'s mask), each row's as it computes alone.
+        Without a cache the batch runs at once as documents (`model.documents`): the padding before
+        a row's real tokens one document, those tokens the next, with positions restarting at each;
+        with one, each row's real tokens run on their own over its part of the cache (`_RowCache`),
+        the padding's states zeros. Padding after a row's real tokens only follows them (causal)."""
+        gpt = self.decoder
+        if any(r is not None and r.scaling.type == "dynamic" for r in gpt.layer_ropes):
+            raise ValueError("a padded batch under dynamic NTK: the RoPE base follows each row's own length, which "
+                             "one batch cannot have; run its rows one by one")
+        T = input_ids.shape[1]
+        if cache is not None:
+            cache.__dict__["coca_lm_mask"] = mask
+        if cache is None:
+            starts = torch.ones_like(mask)
+            starts[:, 1:] = mask[:, 1:] != mask[:, :-1]
+            return gpt.hidden_states(input_ids, documents=starts.long().cumsum(dim=-1))
+        past = mask.shape[-1] - T
+        pads = (mask.cumsum(dim=-1) == 0).sum(dim=-1).tolist()
+        width = keep if 0 < keep < T else T
+        h = gpt.wte.weight.new_zeros(input_ids.shape[0], width, gpt.cfg.n_embd)
+        rows: list[_RowCache | None] = []
+        for b, pad in enumerate(pads):
+            first = max(0, pad - past)  # the row's first real token among these
+            if first == T:  # none here: its padding goes on
+                rows.append(None)
+                continue
+            rows.append(_RowCache(cache, gpt.cfg.n_layer, b, pad))
+            out = gpt.hidden_states(input_ids[b : b + 1, first:], rows[-1], keep=min(width, T - first) if keep else 0)
+            h[b, width - out.shape[1] :] = out[0, -width:]
+        if all(row is None for row in rows):
+            raise ValueError("these tokens are padding in every row: feed a padded batch with its real tokens")
+        _RowCache.commit(cache, rows, T)
+        return h
 
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
         """Under dynamic NTK past the training length the RoPE base changes with the length, and

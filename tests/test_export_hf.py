@@ -392,9 +392,9 @@ def test_the_remote_code_is_the_models_own_and_exactly_what_its_wrapper_imports(
 
 
 def test_the_remote_code_takes_right_padding_and_refuses_what_it_cannot_compute(tokenizer, tmp_path):
-    """Right padding without a cache leaves the real tokens' logits ours; left padding, a padded
-    batch over a cache, inputs_embeds and positions other than the ones counted are refused in one
-    line (the exported decoder has no per-row positions or key masks)."""
+    """Right padding without a cache leaves the real tokens' logits ours; right padding continued over
+    a cache, inputs_embeds and positions other than the ones counted are refused in one line (left
+    padding: `tests/test_export_padded.py`)."""
     model = random_model(tokenizer, "kerple")
     hf = load_hf(export_hf(model, tokenizer, tmp_path / "hf"))
     idx = torch.randint(4, tokenizer.vocab_size, (2, 12), generator=torch.Generator().manual_seed(6))
@@ -406,14 +406,13 @@ def test_the_remote_code_takes_right_padding_and_refuses_what_it_cannot_compute(
         torch.testing.assert_close(hf(idx, attention_mask=torch.ones_like(idx),
                                       position_ids=torch.arange(12)[None].expand(2, 12)).logits, want,
                                    rtol=0, atol=1e-5)
-        refusals = [(dict(attention_mask=right.flip(1)), "no left padding"),
-                    (dict(position_ids=torch.arange(1, 13)[None]), "position_ids must count from"),
+        refusals = [(dict(position_ids=torch.arange(1, 13)[None]), "position_ids must count from"),
                     (dict(input_ids=None, inputs_embeds=torch.zeros(2, 12, 32)), "not inputs_embeds")]
         for kwargs, needle in refusals:
             with pytest.raises(ValueError, match=needle) as error:
                 hf(**{"input_ids": idx, **kwargs})
             assert "\n" not in str(error.value)
-        with pytest.raises(ValueError, match="no padded batch over a cache"):
+        with pytest.raises(ValueError, match="nor right padding continued over a cache"):
             hf.generate(idx, attention_mask=right, max_new_tokens=2, do_sample=False, eos_token_id=None)
 
 

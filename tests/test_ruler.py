@@ -16,13 +16,15 @@ import pytest
 from data.config import DataConfig, SourceConfig
 from data.ruler.haystack import NOISE, read_essay, sentences_of
 from data.ruler.tasks import (
+    DEPTHS,
     TASKS,
+    AnswerOverBudget,
     Settings,
     TooShort,
     make_cases,
     zipf_counts,
 )
-from data.ruler.words import coded_words, common_words, needle, variable_names, word_list
+from data.ruler.words import coded_words, common_words, large_word_list, needle, variable_names, word_list
 from data.synthetic import SyntheticCursor
 from data.tasks import held_out
 from eval.ruler.score import cell_interval, postprocess, string_match
@@ -59,7 +61,7 @@ def context_of(text: str, start: str, end: str) -> str:
 def listed_words(text: str) -> list[str]:
     """The words of a CWE prompt's own numbered list (after its one-shot example); a last item cut
     inside its number is dropped."""
-    listed = re.sub(r" \d+\.?$", "", context_of(text, "appear most often.\n", "\nQuestion:"))
+    listed = re.sub(r" \d+\.?$", "", context_of(text, "appear most often.\n", "\nQuestion:").strip())
     return re.split(r"(?:^| )\d+\. ", listed)[1:]
 
 
@@ -131,7 +133,7 @@ def expected_chance(answers, pool: list[str], picks: int) -> float:
 def test_a_random_answerer_scores_its_chance_level(tok, essay, task):
     rng = random.Random(0)
     scores, chances = [], []
-    for case in cases(tok, essay, task, 2048, n=60, chains=2, fewshot=False, budget=16):
+    for case in cases(tok, essay, task, 2048, n=60, chains=2, fewshot=False):
         pool = candidates(task, text_of(tok, case), rng)
         picks = len(case.answers)
         guess = ", ".join(rng.sample(pool, picks))
@@ -152,8 +154,8 @@ def test_every_prompt_fills_its_length_exactly(tok, essay, task):
         for case in cases(tok, essay, task, length, n=2):
             assert len(case.tokens) + case.budget == length
             assert case.budget == TASKS[task].budget
-    for case in cases(tok, essay, task, 2000, n=2, budget=7):
-        assert len(case.tokens) == 2000 - 7 and case.budget == 7
+    for case in cases(tok, essay, task, 2000, n=2, budget=150):  # a budget of one's own, above every answer
+        assert len(case.tokens) == 2000 - 150 and case.budget == 150
 
 
 @pytest.mark.parametrize("task", [t for t, s in TASKS.items() if s.kind == "niah"])
@@ -192,13 +194,15 @@ def test_niah_prompts_follow_ruler(tok, essay, task):
         assert all(held_out(a) for a in case.answers)  # evaluation values only
 
 
-def test_essay_needles_sit_between_the_corpus_sentences(tok, essay):
-    for case in cases(tok, essay, "niah_single_2", 3000):
-        context = context_of(text_of(tok, case), "afterwards.\n", "\nWhat is")
-        rest = re.sub(" +", " ", context.replace(NEEDLE.search(context).group(0), "", 1)).strip()
-        kept = " ".join(essay.sentences[: case.haystack])  # the corpus's first sentences, in order
+def test_essay_needles_sit_in_the_corpus_text_read_in_order(tok, essay):
+    text = " ".join(essay.sentences)
+    for case in cases(tok, essay, "niah_multivalue", 3000):
+        context = context_of(text_of(tok, case), "afterwards.\n", "\nWhat are")
+        assert len(NEEDLE.findall(context)) == 4
+        rest = re.sub(" +", " ", NEEDLE.sub("", context)).strip()
+        kept = " ".join(text.split(" ")[: case.haystack])  # the corpus's first words, in order
         assert rest.startswith(kept)
-        assert essay.sentences[case.haystack].startswith(rest[len(kept) :].strip())  # then one cut short
+        assert text[len(kept) :].strip().split(" ")[0].startswith(rest[len(kept) :].strip())  # then a word cut short
 
 
 @pytest.mark.parametrize("hops, chains", [(4, 1), (2, 3)])
@@ -207,7 +211,7 @@ def test_variable_tracking_chains_have_the_asked_hops(tok, essay, hops, chains):
         text = text_of(tok, case)
         example, main = text.rsplit("Memorize and track", 1)
         if chains == 1:  # RULER's one-shot example, answered: its names in chain order
-            assert example.endswith("they are:  " + " ".join(re.findall(r"VAR ([A-Z]{3}) = ", example)) + "\n")
+            assert example.endswith("they are:  " + " ".join(re.findall(r"VAR ([A-Z]{3}) = ", example)) + "\n\n")
         assert re.findall(r"\b[A-Z]{5}\b", main.split("Question:")[0])  # 5-letter names
         starts = VAR_VALUE.findall(main)
         links = VAR_VAR.findall(main)
@@ -239,6 +243,59 @@ def test_common_words_counts_follow_ruler(tok, essay, length, common, rare):
         assert text.endswith("Answer: The top 10 words that appear most often in the list are:")
 
 
+def example_items(tok, case) -> int:
+    """The items of a CWE prompt's one-shot example list."""
+    text = text_of(tok, case)
+    example = text[: text.rindex("Below is a numbered list")]
+    return len(re.findall(r"(?:^| )\d+\. ", context_of(example, "appear most often.\n", "\nQuestion:")))
+
+
+def test_cwe_shrinks_its_example_where_rulers_long_one_leaves_no_room(tok, essay):
+    """RULER's example: 40 words (10 x 10 + 30 x 3 items) from 4096 on, 20 (10 x 3 + 10 x 1) below.
+    The session's tokenizer spends about twice RULER's tokens on a word: at 5000 the long example
+    leaves no room and the short one is used, so that the curve has no hole."""
+    assert [example_items(tok, c) for c in cases(tok, essay, "cwe", 8192, n=2)] == [190, 190]
+    assert [example_items(tok, c) for c in cases(tok, essay, "cwe", 5000, n=2)] == [40, 40]
+    assert [example_items(tok, c) for c in cases(tok, essay, "cwe", 3000, n=2)] == [40, 40]
+    for case in cases(tok, essay, "cwe", 5000, n=2):  # RULER's counts for the length all the same
+        counts = Counter(listed_words(text_of(tok, case)))
+        assert all(counts[w] == 30 for w in case.answers) and len(counts) > 10
+
+
+class OneTokenPerWord:
+    """A tokenizer with one id per space-separated word (so a length of L tokens holds L words)."""
+
+    eos_id = 0
+
+    def __init__(self):
+        self.words = ["<eos>"]
+        self.ids: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for word in filter(None, text.split(" ")):
+            if word not in self.ids:
+                self.ids[word] = len(self.words)
+                self.words.append(word)
+            out.append(self.ids[word])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_cwe_fills_128k_from_the_larger_word_list_past_wonderwords():
+    """At 128K words the list needs about 21,600 distinct words, more than wonderwords' 8,166:
+    as RULER does, every word (the common ones too) then comes from the larger list."""
+    word_tok = OneTokenPerWord()
+    (case,) = make_cases("cwe", word_tok, 131072, 1, seed=0, prefix=[word_tok.eos_id])
+    assert len(case.tokens) + case.budget == 131072
+    counts = Counter(listed_words(word_tok.decode(case.tokens[1:])))
+    assert len(counts) > len(common_words()) and set(counts) <= set(large_word_list())
+    assert all(counts[w] == 30 for w in case.answers)
+    assert max(c for w, c in counts.items() if w not in case.answers) <= 3
+
+
 def test_frequent_words_follow_rulers_zipf_counts(tok, essay):
     for case in cases(tok, essay, "fwe", 3000):
         text = text_of(tok, case)
@@ -266,6 +323,46 @@ def test_cases_differ_by_seed_and_repeat_for_a_seed(tok, essay):
     b = make_cases("niah_multikey_2", tok, 1500, 3, seed=1, prefix=[tok.eos_id])
     c = make_cases("niah_multikey_2", tok, 1500, 3, seed=2, prefix=[tok.eos_id])
     assert [x.tokens for x in a] == [x.tokens for x in b] and [x.answers for x in a] != [x.answers for x in c]
+
+
+def test_essay_needles_sit_at_rulers_depths_counted_in_tokens(tok, essay):
+    """Each needle of a code essay (sentences of 4 to hundreds of tokens) sits where its depth
+    says in tokens: its recorded depth matches the re-tokenized text, and the depths are RULER's 40
+    (0, 3, 5, ..., 100), drawn uniformly: each within a point of one, distributed as they are."""
+    drawn = cases(tok, essay, "niah_single_2", 2048, n=200)
+    depths = sorted(c.depths[0] for c in drawn)
+    for case in drawn[:20]:
+        context = context_of(text_of(tok, case), "afterwards.\n", "\nWhat is")
+        found = NEEDLE.search(context)
+        before, after = context[: found.start()], context[found.end() :]
+        measured = 100 * len(tok.encode(before)) / (len(tok.encode(before)) + len(tok.encode(after)))
+        assert abs(case.depths[0] - measured) <= 1.0, (case.depths, measured)
+    assert all(min(abs(d - x) for x in DEPTHS) <= 1.0 for d in depths)  # by chance: 78% each
+    steps = [(x + y) / 2 for x, y in zip(DEPTHS, DEPTHS[1:])]  # between RULER's depths: the CDFs compared
+    gap = max(abs(sum(d <= s for d in depths) / len(depths) - (i + 1) / len(DEPTHS)) for i, s in enumerate(steps))
+    assert gap < 1.95 / math.sqrt(len(depths)), gap  # Kolmogorov-Smirnov, alpha 0.001
+    assert sum(d < 10 for d in depths) / len(depths) < 0.2  # the first tenth holds its share (4 of 40 depths)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_no_budget_caps_an_oracle_silently(tok, essay, task):
+    """A budget either holds every case's whole right answer, and an oracle saying it scores 1.0 on
+    what the budget lets through, or is refused in one line naming the budget it needs."""
+    passed, refused = [], []
+    for budget in (None, 4, 8, 16, 24, 32, 48, 64, 96, 128):
+        try:
+            drawn = cases(tok, essay, task, 3072, n=3, budget=budget)
+        except AnswerOverBudget as e:
+            assert budget is not None and budget < e.needed and "\n" not in str(e)
+            assert str(e).startswith(f"ruler.budget={budget} is shorter than {task}'s answers at length 3072")
+            assert f"set ruler.budget >= {e.needed} or null" in str(e)
+            refused.append(budget)
+            continue
+        for case in drawn:
+            said = tok.decode(tok.encode(case.continuation)[: case.budget])
+            assert string_match(postprocess(said), case.answers, TASKS[task].rule) == 1.0
+        passed.append(budget)
+    assert None in passed and 128 in passed and 4 in refused
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -7,13 +7,16 @@ from any local text corpus the data config names (by default the held-out standa
 documents), so no download is needed: the documents of a split, in the source's seeded order,
 whitespace collapsed as RULER does, cut into sentences at `.`, `!` or `?` followed by a space
 (punkt needs a download), and a sentence longer than `MAX_SENTENCE_WORDS` words (source code has
-few full stops) cut into pieces of that many, so that a needle can sit at any depth.
+few full stops) cut into pieces of that many. As in RULER, a haystack of n units is the essays'
+first n words (`Essay.first`): whole sentences, then the next one cut after its last word that fits.
 """
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass
+from functools import cached_property
 
 from data.config import DataConfig
 from data.sources import open_source, text_of
@@ -30,9 +33,32 @@ class Essay:
     sentences: tuple[str, ...]
     source: str
 
+    @cached_property
+    def ends(self) -> tuple[int, ...]:
+        """The words read by the end of each sentence."""
+        out, total = [], 0
+        for sentence in self.sentences:
+            total += len(sentence.split(" "))
+            out.append(total)
+        return tuple(out)
+
     @property
     def words(self) -> int:
-        return sum(len(s.split(" ")) for s in self.sentences)
+        return self.ends[-1] if self.ends else 0
+
+    def first(self, n: int) -> tuple[list[str], list[str]]:
+        """The sentences of the first `n` words (the last one cut short where `n` ends inside it),
+        and the text after them as sentences (the cut one's rest first); `IndexError` past the end."""
+        if n >= self.words:
+            raise IndexError(n)
+        whole = bisect_right(self.ends, n)
+        left = n - (self.ends[whole - 1] if whole else 0)
+        units, rest = list(self.sentences[:whole]), list(self.sentences[whole:])
+        if left:
+            cut = rest[0].split(" ")
+            units.append(" ".join(cut[:left]))
+            rest[0] = " ".join(cut[left:])
+        return units, rest
 
 
 def sentences_of(text: str) -> list[str]:

@@ -12,19 +12,24 @@ haystack that fits is found by bisection, as RULER does, and the few tokens left
 haystack unit cut short (a noise paragraph, an essay sentence, a distractor needle; for the word
 tasks, a fresh word said once, or the noise word `...`), at the end of the context.
 
-Where this differs from RULER, on purpose: needles go into uniformly random slots among the
-haystack units (RULER inserts them before random units, so never after the last one); distractor
+Where this differs from RULER, on purpose: in the noise and needle haystacks needles go into
+uniformly random slots among the haystack units (RULER inserts them before random units, so never
+after the last one); in an essay they go at RULER's depths counted in tokens, at the word boundary
+nearest each (RULER: the sentence boundary nearest the depth counted in sentences; a code corpus's
+sentences run from 4 to hundreds of tokens, which would pull the needles off their depth); distractor
 keys never equal a real key; the counts of frequent-words extraction below the three answers are
 capped one under the third, so the answer is unique at short lengths where RULER's floors can tie;
 a key's value is drawn from the evaluation values (`data.tasks.held_out`) in evaluation and from
-the others in training rows, so a trained model is scored on values it never saw.
+the others in training rows, so a trained model is scored on values it never saw; an answer budget
+shorter than a case's answer is refused (`AnswerOverBudget`), since it would cap the score unseen.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -32,7 +37,7 @@ from scipy.special import zeta
 
 from data.config import RULER_DOWNLOAD_FREE
 from data.ruler.haystack import NOISE, Essay
-from data.ruler.words import coded_words, common_words, needle, variable_names
+from data.ruler.words import coded_words, common_words, large_word_list, needle, variable_names
 from data.tasks import held_out
 
 RULES = ("all", "part")
@@ -107,6 +112,7 @@ FWE_TEMPLATE = (
 DEPTHS = tuple(round(100 * i / 39) for i in range(40))  # RULER's np.linspace(0, 100, 40), rounded
 VT_FEWSHOT_TOKENS = 500  # RULER builds its one-shot example at max_seq_length 500
 CWE_LARGE = 4096  # RULER's CWE counts: 30 / 3 repeats from this length on, 6 / 1 below it
+CWE_EXAMPLES = ((40, 10, 3), (20, 3, 1))  # RULER's one-shot examples (words, common and rare repeats): long, short
 CWE_COMMON = 10
 FWE_NOISE = "..."
 FWE_ALPHA = 2.0
@@ -131,7 +137,9 @@ class Settings:
 class RulerCase:
     """One prompt: `tokens` (exactly `length - budget` ids), what a right answer must contain
     (`answers`, RULER's `outputs`), `continuation` (a right answer's text, for training rows and
-    the oracle), and `haystack`, the haystack units in the context."""
+    the oracle), `haystack`, the haystack units in the context (an essay's: words), and `depths`
+    (NIAH), where each answer's needle sits: the share of the context's haystack tokens (needles
+    left out) before it, in percent."""
 
     task: str
     length: int
@@ -140,6 +148,7 @@ class RulerCase:
     answers: tuple[str, ...]
     continuation: str
     haystack: int
+    depths: tuple[float, ...] = ()
 
 
 class TooShort(ValueError):
@@ -148,6 +157,21 @@ class TooShort(ValueError):
     def __init__(self, task: str, length: int, needed: int):
         super().__init__(f"{task} at length {length}: its prompt without haystack (template, needles, question) "
                          f"and its answer budget take {needed} tokens")
+        self.needed = needed
+
+
+class OutOfHaystack(ValueError):
+    """The haystack has no more units to fill the length with."""
+
+
+class AnswerOverBudget(ValueError):
+    """An answer budget shorter than a case's answer: generation would stop before a right answer ends."""
+
+    def __init__(self, task: str, length: int, budget: int, needed: int, rulers: bool):
+        whose = f"RULER's answer budget for {task}, {budget} tokens," if rulers else f"ruler.budget={budget}"
+        super().__init__(f"{whose} is shorter than {task}'s answers at length {length} (up to {needed} tokens in "
+                         f"this tokenizer) and would cap its scores: set ruler.budget >= {needed}"
+                         + ("" if rulers else " or null (RULER's per task)"))
         self.needed = needed
 
 
@@ -187,21 +211,24 @@ def _slots(rng: random.Random, units: list[str], inserts: Sequence[str]) -> list
 
 
 def fill(enc: Encoder, task: str, length: int, budget: int, head: Sequence[int], tail: Sequence[int], sep: str,
-         layout: Layout) -> tuple[list[int], int]:
+         layout: Layout, measure: Optional[Callable[[int], float]] = None) -> tuple[list[int], int]:
     """`head` + the context + `tail`, exactly `length - budget` ids: the most haystack units `n`
     whose context fits (bisection), then filler pieces, the last cut to the ids left. Returns the
-    ids and n."""
+    ids and n. `measure(n)`, where given, is the context's tokens for n units without laying them
+    out (inf past the haystack's end)."""
     room = length - budget - len(head) - len(tail)
 
     def ids_of(pieces: Sequence[str]) -> list[int]:
         return [t for i, p in enumerate(pieces) for t in enc(sep + p if i else p)]
 
-    def size(n: int) -> float:
+    def laid_out(n: int) -> float:
         try:
             pieces, _ = layout(n)
         except IndexError:  # more units than the haystack has
             return math.inf
-        return sum(len(enc(sep + p if i else p)) for i, p in enumerate(pieces))
+        return sum(_sizes(enc, pieces, sep))
+
+    size = measure or laid_out
 
     if size(0) > room:
         raise TooShort(task, length, length - room + int(size(0)))
@@ -216,10 +243,59 @@ def fill(enc: Encoder, task: str, length: int, budget: int, head: Sequence[int],
     while len(context) < room:
         piece = next(filler, None)
         if piece is None:
-            raise ValueError(f"{task} at length {length}: the essay haystack ran out of text; "
-                             "name a larger corpus with sources=")
+            raise OutOfHaystack(f"{task} at length {length}: the essay haystack ran out of text; "
+                                "name a larger corpus with sources=")
         context += list(enc(sep + piece if context else piece))[: room - len(context)]
     return list(head) + context + list(tail), lo
+
+
+def _sizes(enc: Encoder, pieces: Sequence[str], sep: str) -> list[int]:
+    """Each piece's tokens in a context (every piece but the first after `sep`)."""
+    return [len(enc(sep + p if i else p)) for i, p in enumerate(pieces)]
+
+
+def _at_depths(enc: Encoder, units: list[str], inserts: Sequence[str], depths: Sequence[int], sep: str) -> list[str]:
+    """`units` with `inserts` put, in order, at `depths` (percent, ascending) of the units' tokens,
+    each at the word boundary nearest its depth (a unit is cut there)."""
+    sizes = _sizes(enc, units, sep)
+    total = sum(sizes)
+    cuts: dict[int, list[tuple[int, str]]] = {}
+    i, start = 0, 0
+    for depth, text in zip(depths, inserts):
+        target = depth / 100 * total
+        while i < len(units) and start + sizes[i] <= target:
+            start, i = start + sizes[i], i + 1
+        if i == len(units):
+            cuts.setdefault(i, []).append((0, text))
+            continue
+        best, gap, at = 0, target - start, start
+        for k, word in enumerate(units[i].split(" "), 1):
+            at += len(enc(sep + word if i or k > 1 else word))
+            if abs(target - at) < gap:
+                best, gap = k, abs(target - at)
+        cuts.setdefault(i, []).append((best, text))
+    out: list[str] = []
+    for i, unit in enumerate(units):
+        words, last = unit.split(" "), 0
+        for k, text in cuts.get(i, []):
+            out += [" ".join(words[last:k])] * (k > last) + [text]
+            last = k
+        out += [" ".join(words[last:])] * (last < len(words))
+    return out + [text for _, text in cuts.get(len(units), [])]
+
+
+def _needle_depths(enc: Encoder, pieces: Sequence[str], context: int, sep: str,
+                   needles: Sequence[str]) -> tuple[float, ...]:
+    """Where each of `needles` sits in a context of `context` tokens that starts with `pieces`: the
+    share of its haystack tokens (every token not in a needle) before it, in percent."""
+    sizes = _sizes(enc, pieces, sep)
+    wanted = set(needles)
+    where = {p: i for i, p in enumerate(pieces) if p in wanted}
+    haystack = context - sum(sizes[i] for i in where.values())
+    before = [0]
+    for p, n in zip(pieces, sizes):
+        before.append(before[-1] + (0 if p in where else n))
+    return tuple(round(100 * before[where[text]] / haystack, 2) for text in needles)
 
 
 # ----------------------------------------------------------------------------- needle in a haystack
@@ -249,6 +325,7 @@ def _niah(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, budget:
     order = rng.sample(sorted(asked), spec.queries)
     queries = [keys[k] for k in order]
     answers = tuple(v for k in order for v in values[k])
+    asked_needles = [NEEDLE.format(type_needle_v=spec.value, key=keys[k], value=v) for k in order for v in values[k]]
     query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
     template, kind = NIAH_TEMPLATE, spec.value
     if spec.queries * spec.values == 1:  # RULER's singular wording
@@ -268,29 +345,25 @@ def _niah(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, budget:
         r = random.Random(layout_seed)
         if spec.haystack == "essay":
             assert essay is not None
-            if n >= len(essay.sentences):
-                raise IndexError(n)
-            depths = sorted(int(n * d / 100) for d in r.sample(DEPTHS, len(needles)))
-            pieces, last = [], 0
-            for pos, text in zip(depths, needles):
-                pieces += list(essay.sentences[last:pos]) + [text]
-                last = pos
-            return pieces + list(essay.sentences[last:n]), iter(essay.sentences[n:])
+            units, rest = essay.first(n)
+            return _at_depths(enc, units, needles, sorted(r.sample(DEPTHS, len(needles))), " "), iter(rest)
         if spec.haystack == "needle":
             stream = distractors(r)
             return _slots(r, [next(stream) for _ in range(n)], needles), stream
         return _slots(r, [NOISE] * n, needles), iter(lambda: NOISE, None)
 
-    return _case(spec, enc, length, budget, prefix, head, tail, "\n" if spec.haystack != "essay" else " ", layout,
-                 answers, continuation)
+    sep = "\n" if spec.haystack != "essay" else " "
+    case = _case(spec, enc, length, budget, prefix, head, tail, sep, layout, answers, continuation)
+    context = len(case.tokens) - len(prefix) - len(enc(head)) - len(enc(tail))
+    return dataclasses.replace(case, depths=_needle_depths(enc, layout(case.haystack)[0], context, sep, asked_needles))
 
 
 def _case(spec: TaskSpec, enc: Encoder, length: int, budget: Optional[int], prefix: Sequence[int], head: str,
           tail: str, sep: str, layout: Layout, answers: tuple[str, ...], continuation: str,
-          before: Sequence[int] = ()) -> RulerCase:
+          before: Sequence[int] = (), measure: Optional[Callable[[int], float]] = None) -> RulerCase:
     """Fill the context of a drawn case; `budget` None: the continuation's own tokens (a training row)."""
     budget = len(enc(continuation)) if budget is None else budget
-    tokens, n = fill(enc, spec.name, length, budget, [*prefix, *before, *enc(head)], enc(tail), sep, layout)
+    tokens, n = fill(enc, spec.name, length, budget, [*prefix, *before, *enc(head)], enc(tail), sep, layout, measure)
     return RulerCase(spec.name, length, tokens, budget, answers, continuation, n)
 
 
@@ -345,7 +418,7 @@ def _vt(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, budget: O
 def _vt_example(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, budget: int, prefix: Sequence[int],
                 settings: Settings) -> list[int]:
     """RULER's one-shot example: a VT prompt with 3-letter names and at most 10 hops, filled to
-    `VT_FEWSHOT_TOKENS` (at most half the room the length leaves), its answer, a newline."""
+    `VT_FEWSHOT_TOKENS` (at most half the room the length leaves), its answer, a blank line."""
     hops = min(10, settings.hops)
     groups, lines = _vt_parts(rng, hops, settings.chains, 3, evaluation=False)
     head, tail = _split(VT_TEMPLATE, query=lines[0][0].split("= ")[-1], num_v=str(hops + 1))
@@ -354,45 +427,84 @@ def _vt_example(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, b
         tokens, _ = fill(enc, spec.name, size, 0, enc(head), enc(tail), "\n", _vt_layout(rng, lines))
     except TooShort as e:
         raise TooShort(spec.name, length, 2 * e.needed + budget + len(prefix)) from None
-    return tokens + list(enc(" " + " ".join(groups[0]) + "\n"))
+    return tokens + list(enc(" " + " ".join(groups[0]) + "\n\n"))
 
 
 # ----------------------------------------------------------------------------- common words
 
 
-def _cwe_items(words: Sequence[str], start: int = 0) -> list[str]:
-    return [f"{start + i + 1}. {w}" for i, w in enumerate(words)]
+def _cwe_items(words: Iterable[str], start: int = 0) -> Iterator[str]:
+    """RULER's numbered list `1. w 2. v ...` as pieces: each number and each word (the same text;
+    the numbers' ids are shared by every haystack size tried)."""
+    for i, word in enumerate(words, start + 1):
+        yield f"{i}."
+        yield word
 
 
 def _cwe(spec: TaskSpec, enc: Encoder, length: int, rng: random.Random, budget: Optional[int],
          prefix: Sequence[int], settings: Settings) -> RulerCase:
-    vocabulary = common_words()
+    """RULER's list: 10 common words said 30 times and rare ones 3 times from `CWE_LARGE` on (6 and
+    1 below), drawn from wonderwords' words, or all from `large_word_list` where the length needs
+    more words than those (RULER's switch). The one-shot example is RULER's for the length, its
+    short-length one (20 words) where the long one leaves no room (a tokenizer with more tokens per
+    word than RULER's)."""
     large = length >= CWE_LARGE
     common_repeats, rare_repeats = (30, 3) if large else (6, 1)
     head, tail = _split(CWE_TEMPLATE)
-    before: list[int] = []
-    if settings.fewshot:  # RULER's example: 40 words (10 x 10, 30 x 3) at long lengths, else 20 (10 x 3, 10 x 1)
-        n_words, c, u = (40, 10, 3) if large else (20, 3, 1)
-        sample = rng.sample(vocabulary, n_words)
-        listed = sample[:CWE_COMMON] * c + sample[CWE_COMMON:] * u
-        rng.shuffle(listed)
-        example = head + " ".join(_cwe_items(listed)) + tail + " " + " ".join(_cwe_items(sample[:CWE_COMMON]))
-        before = list(enc(example + "\n"))
-    order = list(vocabulary)
-    rng.shuffle(order)
-    common = order[:CWE_COMMON]
-    layout_seed = rng.getrandbits(64)
+    sample = rng.sample(common_words(), CWE_EXAMPLES[0][0])
+    example_seed, order_seed, layout_seed = rng.getrandbits(64), rng.getrandbits(64), rng.getrandbits(64)
 
-    def layout(n: int) -> tuple[list[str], Iterator[str]]:
-        if CWE_COMMON + n >= len(order):
-            raise IndexError(n)
-        listed = common * common_repeats + order[CWE_COMMON : CWE_COMMON + n] * rare_repeats
-        random.Random(layout_seed).shuffle(listed)
-        return _cwe_items(listed), iter(_cwe_items(order[CWE_COMMON + n :], len(listed)))
+    def example(words: int, common: int, rare: int) -> list[int]:
+        listed = sample[:CWE_COMMON] * common + sample[CWE_COMMON:words] * rare
+        random.Random(example_seed).shuffle(listed)
+        text = head + " ".join(_cwe_items(listed)) + tail + " " + " ".join(_cwe_items(sample[:CWE_COMMON]))
+        return list(enc(text + "\n"))
 
-    answers = tuple(common)
-    return _case(spec, enc, length, budget, prefix, head, tail, " ", layout, answers,
-                 " " + " ".join(_cwe_items(common)), before)
+    def attempt(before: list[int], vocabulary: Sequence[str]) -> RulerCase:
+        order = list(vocabulary)
+        random.Random(order_seed).shuffle(order)
+        common = order[:CWE_COMMON]
+
+        def layout(n: int) -> tuple[list[str], Iterator[str]]:
+            if CWE_COMMON + n >= len(order):
+                raise IndexError(n)
+            listed = common * common_repeats + order[CWE_COMMON : CWE_COMMON + n] * rare_repeats
+            random.Random(layout_seed).shuffle(listed)
+            return list(_cwe_items(listed)), _cwe_items(order[CWE_COMMON + n :], len(listed))
+
+        numbers, rare, said = [0], [0], sum(len(enc(" " + w)) for w in common) * common_repeats
+
+        def measure(n: int) -> float:  # the layout's tokens, whatever its order: RULER's 30-fold lists are long
+            if CWE_COMMON + n >= len(order):
+                return math.inf
+            items = CWE_COMMON * common_repeats + n * rare_repeats
+            for k in range(len(numbers), items + 1):  # the first piece, "1.", has no separator
+                numbers.append(numbers[-1] + len(enc(f" {k}." if k > 1 else "1.")))
+            for w in order[CWE_COMMON + len(rare) - 1 : CWE_COMMON + n]:
+                rare.append(rare[-1] + len(enc(" " + w)))
+            return numbers[items] + said + rare_repeats * rare[n]
+
+        return _case(spec, enc, length, budget, prefix, head, tail, " ", layout, tuple(common),
+                     " " + " ".join(_cwe_items(common)), before, measure)
+
+    def build(shape: tuple[int, int, int]) -> RulerCase:
+        before = example(*shape) if settings.fewshot else []
+        try:
+            return attempt(before, common_words())
+        except OutOfHaystack:
+            try:
+                return attempt(before, large_word_list())
+            except OutOfHaystack:
+                raise ValueError(f"{spec.name} at length {length} needs more than the {len(large_word_list())} "
+                                 "words of its larger word list") from None
+
+    shapes = CWE_EXAMPLES if large and settings.fewshot else CWE_EXAMPLES[1:]
+    for shape in shapes[:-1]:
+        try:
+            return build(shape)
+        except TooShort:
+            pass
+    return build(shapes[-1])
 
 
 # ----------------------------------------------------------------------------- frequent words
@@ -458,12 +570,17 @@ def case_rng(task: str, stream: str, seed: int, length: int) -> random.Random:
 def make_cases(task: str, tokenizer: TextTokenizer, length: int, n_cases: int, seed: int, *, stream: str = "eval",
                settings: Settings = Settings(), prefix: Sequence[int] = (), essay: Optional[Essay] = None,
                encoder: Optional[Encoder] = None) -> list[RulerCase]:
-    """`n_cases` evaluation cases of `task` at `length`, a function of (task, stream, seed, length)."""
+    """`n_cases` evaluation cases of `task` at `length`, a function of (task, stream, seed, length);
+    `AnswerOverBudget` where the budget is shorter than a right answer."""
     if task not in TASKS:
         raise ValueError(f"unknown RULER task {task!r}: one of {', '.join(TASKS)}")
     if n_cases < 1:
         raise ValueError(f"cases={n_cases} must be >= 1")
     enc = encoder or Encoder(tokenizer)
     rng = case_rng(task, stream, seed, length)
-    return [build_case(TASKS[task], enc, length, rng, settings=settings, prefix=prefix, essay=essay)
-            for _ in range(n_cases)]
+    cases = [build_case(TASKS[task], enc, length, rng, settings=settings, prefix=prefix, essay=essay)
+             for _ in range(n_cases)]
+    needed = max(len(enc(c.continuation)) for c in cases)
+    if needed > cases[0].budget:
+        raise AnswerOverBudget(task, length, cases[0].budget, needed, settings.budget is None)
+    return cases

@@ -3,7 +3,10 @@ the common-words list and the coded words of frequent-words extraction.
 
 Words come from the word lists RULER reads (the `wonderwords` package: nouns, adjectives, verbs);
 a `words` needle is RULER's `adjective-noun`, drawn as an adjective and a noun (RULER samples the
-sorted set of their pairs: the same distribution, without building millions of strings).
+sorted set of their pairs: the same distribution, without building millions of strings). Where
+common-words extraction needs more distinct words than those 8,166, RULER draws them all from a
+larger English list (its `english_words.json`, a download); here the `english-words` package's
+web2 list, lowercased (234,450 words), installed offline like wonderwords.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ def word_list(name: str) -> tuple[str, ...]:
 def common_words() -> tuple[str, ...]:
     """Common-words extraction's vocabulary: nouns, adjectives and verbs, deduplicated and sorted."""
     return tuple(sorted(set(word_list("nounlist.txt") + word_list("adjectivelist.txt") + word_list("verblist.txt"))))
+
+
+@cache
+def large_word_list() -> tuple[str, ...]:
+    """The larger list common-words extraction switches to past `common_words()`, sorted."""
+    from english_words import get_english_words_set
+
+    return tuple(sorted(get_english_words_set(["web2"], lower=True)))
 
 
 def needle(kind: str, rng: random.Random) -> str:

@@ -50,12 +50,14 @@ def generate_answers(model, cases: Sequence[RulerCase], tokenizer: Decoder, batc
 
 def score_cases(model, cases: Sequence[RulerCase], tokenizer: Decoder, batch_tokens: int,
                 bar: tqdm | None = None) -> list[dict]:
-    """Per-case records: task, length, prompt tokens, expected answers, prediction and score."""
+    """Per-case records: task, length, prompt tokens, haystack units, needle depths (NIAH), expected
+    answers, prediction and score."""
     predictions = generate_answers(model, cases, tokenizer, batch_tokens, bar)
     records = []
     for case, text in zip(cases, predictions):
         prediction = postprocess(text)
         records.append({"task": case.task, "length": case.length, "tokens": len(case.tokens),
-                        "haystack": case.haystack, "answers": list(case.answers), "prediction": prediction,
+                        "haystack": case.haystack, "depth": list(case.depths), "answers": list(case.answers),
+                        "prediction": prediction,
                         "score": string_match(prediction, case.answers, TASKS[case.task].rule)})
     return records

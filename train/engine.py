@@ -7,13 +7,17 @@ with AdamW and the warm-up/decay schedule.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from model.mup import lr_multiplier
 from train.config import ConfigError, TrainConfig
+from train.optim import build_muon
+from train.optim import param_groups as optim_groups
 from train.schedule import scheduler_factory
 
 
@@ -111,9 +115,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW; with optimizer offload, DeepSpeedCPUAdam (the step runs on the CPU, as ZeRO-Offload needs)."""
+    """AdamW, or Muon with AdamW (`optim.name=muon`: `train.optim`); with optimizer offload,
+    DeepSpeedCPUAdam (the step runs on the CPU, as ZeRO-Offload needs). Under `model.mup` every
+    group's lr carries its muP factor (`model.mup.lr_multiplier`)."""
     o = cfg.optim
-    groups = param_groups(model, o.weight_decay)
+    multiplier = partial(lr_multiplier, model) if cfg.model.mup else None
+    if o.name == "muon":
+        return build_muon(model, cfg, multiplier)
+    groups = param_groups(model, o.weight_decay) if multiplier is None else optim_groups(model, cfg, multiplier)
     if cfg.deepspeed.offload_optimizer:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

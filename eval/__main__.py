@@ -40,12 +40,14 @@ from data.tasks import make_cases, make_recall_cases, recall_vocab
 from data.tokenizer import Tokenizer
 from errors import UsageError, UserError, report_error
 from eval import long_context_report, report, results
+from eval.attention_stats import distance_bins
 from eval.config import EvalConfig, Scaling, default_lengths
 from eval.sweep import (
     applicable,
     default_plot_layers,
     rope_request_refusal,
     sweep_attention,
+    sweep_heads,
     sweep_passkey,
     sweep_position_loss,
     sweep_ppl,
@@ -55,9 +57,8 @@ from eval.sweep import (
 from eval.wandb_log import log_to_wandb
 from model import GPT
 from model.denormals import flush_denormals
-from train.checkpoint import find_checkpoint
 from train.config import TrainConfig, setup_id
-from train.load import check_device, is_hf_model, load_model, model_config_of
+from train.load import check_device, load_model, model_config_of, model_path
 
 
 class EvalError(UsageError):
@@ -128,7 +129,7 @@ def open_session(cfg: EvalConfig) -> Session:
     out = Path(cfg.out_dir) if cfg.out_dir else run_dir_of(run) / "eval"
     check_dir(out, "out_dir")
     check_sources_listed(cfg)
-    ckpt = run if is_hf_model(run) else find_checkpoint(run)  # a Hugging Face directory: imported
+    ckpt = model_path(run)  # a Hugging Face directory: imported
     refusal = rope_request_refusal(cfg.model.rope_scaling.type, cfg.model.rope_scaling.factor, model_config_of(ckpt))
     if refusal:
         raise EvalError(refusal)
@@ -223,7 +224,27 @@ def run_attention(s: Session) -> dict:
     rows, profiles = sweep_attention(s.model, segment, scalings, s.trained, layers, c.sigma, c.window, c.chunk)
     s.out.mkdir(parents=True, exist_ok=True)
     results.save_profiles(s.out / results.PROFILES_FILE, profiles)
-    return {"rows": rows, "length": length, "sigma": c.sigma, "window": c.window, "layers": layers, "notes": notes}
+    head_ids, head_lengths, skipped = head_segment(s, segment)
+    heads = sweep_heads(s.model, head_ids, head_lengths, scalings, s.trained, s.train_len, c.chunk)
+    return {"rows": rows, "length": length, "sigma": c.sigma, "window": c.window, "layers": layers,
+            "heads": heads, "head_lengths": head_lengths, "distance_bins": distance_bins(max(head_lengths)),
+            "notes": notes + skipped}
+
+
+def head_segment(s: Session, segment: list[int]) -> tuple[list[int], list[int], list[str]]:
+    """The ids and lengths of the per-head measures: `attention.head_lengths` (a document must reach
+    the longest), or 1x, 4x and 16x the training length less those longer than every document, with
+    a note for each skipped; the attention segment already read serves where it is long enough."""
+    given = s.cfg.attention.head_lengths
+    lengths, notes = sorted(set(given)) or [f * s.train_len for f in (1, 4, 16)], []
+    while max(lengths) > len(segment):
+        try:
+            return s.documents(max(lengths), 1)[0], lengths, notes
+        except EvalError as e:
+            if given or len(lengths) == 1:
+                raise
+            notes.append(f"per-head measures at {lengths.pop()} tokens skipped: {e}")
+    return segment, lengths, notes
 
 
 def run_position_loss(s: Session) -> dict:

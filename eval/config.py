@@ -155,6 +155,9 @@ class AttentionConfig:
     sigma: a score is an outlier above its query row's mean + sigma x std.
     window: local mass is the attention probability on the nearest `window` keys.
     chunk: queries scored at once (memory: chunk x length per head).
+    head_lengths: segment lengths of the per-head measures (sink share, entropy, largest logit by
+      distance: `eval.attention_stats`), each the start of one document; empty: 1x, 4x and 16x the
+      training length, skipping with a note those no document of the corpus reaches.
     """
 
     length: Optional[int] = None
@@ -163,11 +166,14 @@ class AttentionConfig:
     sigma: float = 6.0
     window: int = 16
     chunk: int = 256
+    head_lengths: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.length is not None and self.length < 2:
             raise ValueError(f"attention.length={self.length} must be >= 2")
         _positive_list("attention.layers", self.layers)
+        if any(n < 2 for n in self.head_lengths):
+            raise ValueError(f"attention.head_lengths: {min(self.head_lengths)} must be >= 2")
         for s in self.scalings:
             Scaling.parse(s)
         if not self.scalings:

@@ -103,8 +103,15 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
                      [[r["label"], r["layer"]] + [r[k] for k in keys] for r in a["rows"]]),
             "",
         ]
+        if a.get("heads"):
+            md += ["## Sink share and entropy per layer, over heads (beyond: queries past the training length)", "",
+                   markdown(["model / scaling", "length", "layer", "sink share", "max over heads", "beyond",
+                             "entropy", "beyond"], head_summary(a["heads"])), ""]
         md += _notes(a)
         written["attention"] = [write_csv(out_dir / f"{stem}attention.csv", a["rows"])]
+        if a.get("heads"):
+            written["attention"].append(write_csv(out_dir / f"{stem}attention_heads.csv",
+                                                  head_csv_rows(a["heads"], a["distance_bins"])))
         if a.get("profiles"):
             written["attention"].append(
                 plots.save(plots.attention_figure(a["profiles"], train_len, design),
@@ -114,6 +121,27 @@ def render(results: dict[str, dict], out_dir: Path, prefix: str = "", stem: str 
     md_path.write_text(_header(results, prefix) + "\n".join(md))
     written["markdown"] = [md_path]
     return written
+
+
+def head_summary(heads: Sequence[dict]) -> list[list]:
+    """Per model / scaling, length and layer: the sink share's mean and largest over heads, its mean
+    beyond the training length, and the entropy's means (blank where no query is beyond)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in heads:
+        groups.setdefault((r["label"], r["length"], r["layer"]), []).append(r)
+
+    def mean(rows: list[dict], key: str) -> float | str:
+        values = [r[key] for r in rows if r[key] is not None]
+        return sum(values) / len(values) if values else ""
+
+    return [[*key, mean(rows, "sink_share"), max(r["sink_share"] for r in rows), mean(rows, "sink_share_beyond"),
+             mean(rows, "entropy"), mean(rows, "entropy_beyond")] for key, rows in groups.items()]
+
+
+def head_csv_rows(heads: Sequence[dict], bins: Sequence[Sequence[int]]) -> list[dict]:
+    """One CSV row per head: its largest logit in a column per distance bin (`max_logit_d<first>-<last>`)."""
+    names = [f"max_logit_d{first}-{last}" for first, last in bins]
+    return [{**{k: v for k, v in r.items() if k != "max_logit"}, **dict(zip(names, r["max_logit"]))} for r in heads]
 
 
 def _flat_case(case: dict) -> dict:
@@ -159,6 +187,8 @@ def _labelled(task: str, result: dict, eval_dir: Path, prefix: str) -> dict:
         result["cases"] = label_rows(result["cases"], prefix)
     else:
         result["rows"] = label_rows(result["rows"], prefix)
+    if "heads" in result:
+        result["heads"] = label_rows(result["heads"], prefix)
     if task == "attention" and (eval_dir / PROFILES_FILE).exists():
         result["profiles"] = {
             (k if not prefix else (prefix if k == "none" else f"{prefix} + {k}")): v
@@ -201,8 +231,11 @@ def compare(run_dirs: Sequence[Path], out_dir: Path, family_path: Path = aggrega
     for (_run, eval_dir, results), label in zip(loaded, labels):
         for task, result in results.items():
             r = _labelled(task, result, eval_dir, label)
-            m = merged.setdefault(task, {"meta": r["meta"], "notes": [], "rows": [], "cases": [], "profiles": {}})
+            m = merged.setdefault(task, {"meta": r["meta"], "notes": [], "rows": [], "cases": [], "profiles": {},
+                                         "heads": [], "distance_bins": []})
             m["rows"] += r.get("rows", [])
+            m["heads"] += r.get("heads", [])
+            m["distance_bins"] = max(m["distance_bins"], r.get("distance_bins", []), key=len)
             m["cases"] += r.get("cases", [])
             m["profiles"].update(r.get("profiles", {}))
             m["notes"] += [f"{label}: {n}" for n in r.get("notes", [])]

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from data.ruler.tasks import RulerCase
 from data.tasks import PasskeyCase, RecallCase
-from eval.attention_stats import attention_statistics, last_query_scores
+from eval.attention_stats import attention_statistics, head_statistics, last_query_scores
 from eval.config import Scaling
 from eval.passkey import score_cases
 from eval.perplexity import evaluate_perplexity
@@ -154,6 +154,24 @@ def sweep_attention(
         profiles[s.label] = {i: last_query_scores(layers[i - 1]).cpu().numpy() for i in plot_layers}
         del layers
     return rows, profiles
+
+
+@torch.inference_mode()
+def sweep_heads(
+    model, ids: Sequence[int], lengths: Sequence[int], scalings: Sequence[Scaling], trained: Scaling, train_len: int,
+    chunk: int,
+) -> list[dict]:
+    """Per scaling and length, each head's mechanism measures on the first `length` ids (one forward
+    each: a dynamic scaling depends on the length read)."""
+    device = next(model.parameters()).device
+    rows = []
+    for s in scalings:
+        for length in lengths:
+            with scaled(model, s, trained):
+                layers = model.capture_qk(torch.tensor([list(ids[:length])], device=device))
+            rows += [{"scaling": s.label, "length": length, **r} for r in head_statistics(layers, train_len, chunk)]
+            del layers
+    return rows
 
 
 def default_plot_layers(n_layer: int, n: int = 4) -> list[int]:

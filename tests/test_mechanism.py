@@ -4,6 +4,7 @@ query by query on the whole score matrix, for hand-built attention and every des
 
 from __future__ import annotations
 
+import csv
 import math
 
 import pytest
@@ -11,8 +12,13 @@ import torch
 from test_eval_pure import Layer, stick_breaking_row
 from test_model_gpt import IDS, VARIANTS, small
 
+from eval import report
+from eval import results as result_files
+from eval.__main__ import main
 from eval.attention_stats import distance_bins, head_statistics, layer_head_statistics
 from model.designs.stick_breaking import STICK_BREAKING
+from train.checkpoint import find_checkpoint
+from train.load import model_config_of
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -152,3 +158,52 @@ def test_every_designs_capture_gives_the_definitions_measures(attention, form, r
         bias = None if layer.bias is None else layer.bias.scores(0, 20, layer.q_eff.device)
         want = reference_heads(layer.q_eff, layer.k_eff, bias, layer.window, layer.sinks, layer.weights is not None, 8)
         assert_rows_match([{k: v for k, v in r.items() if k != "layer"} for r in got if r["layer"] == i + 1], want)
+
+
+def test_report_writes_the_head_table_and_a_column_per_distance_bin(tmp_path):
+    meta = {"run": "r", "label": "origin", "train_len": 2, "step": 1, "source": "stdlib"}
+    row = {"scaling": "none", "layer": 1, "max_score": 1.0, "min_score": 0.0, "mean_score": 0.5, "std_score": 0.1,
+           "outlier_count": 0, "outlier_ratio": 0.0, "max_zscore": 1.0, "local_mass": 1.0, "n_scores": 10}
+    heads = [{"scaling": "none", "length": n, "layer": 1, "head": h, "sink_share": s, "entropy": e,
+              "sink_share_beyond": b, "entropy_beyond": None if b is None else 2 * e,
+              "max_logit": [1.0, 2.0, 3.0, 4.0][: len(distance_bins(n))]}
+             for n, h, s, e, b in [(2, 1, 0.5, 1.0, None), (2, 2, 0.25, 0.5, None), (8, 1, 0.75, 1.5, 0.5),
+                                   (8, 2, 0.25, 0.5, 0.25)]]
+    eval_dir = tmp_path / "eval"
+    result_files.save_json(eval_dir / "attention.json", {
+        "meta": meta, "rows": [row], "length": 8, "sigma": 6.0, "window": 16, "heads": heads,
+        "head_lengths": [2, 8], "distance_bins": distance_bins(8)})
+    report.render(report.run_results(eval_dir), eval_dir)
+    md = (eval_dir / "report.md").read_text()
+    assert "| none | 2 | 1 | 0.375 | 0.5 |  | 0.75 |  |" in md  # means and largest over the two heads
+    assert "| none | 8 | 1 | 0.5 | 0.75 | 0.375 | 1 | 2 |" in md
+    with open(eval_dir / "attention_heads.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[-4:] == ["max_logit_d0-0", "max_logit_d1-1", "max_logit_d2-3", "max_logit_d4-7"]
+    assert [(r["length"], r["head"], r["max_logit_d1-1"], r["max_logit_d4-7"]) for r in rows] == [
+        ("2", "1", "2.0", ""), ("2", "2", "2.0", ""), ("8", "1", "2.0", "4.0"), ("8", "2", "2.0", "4.0")]
+
+
+@pytest.mark.slow
+def test_eval_attention_writes_the_head_measures_at_1x_4x_and_16x(micro_run, tmp_path):
+    """`python -m eval task=attention` on the session's micro run (training length 32): every head of
+    every layer at 32, 128 and 512 tokens under each scaling; as trained, the 32-token segment is the
+    start of the 512-token one, so its largest logit per bin is at most the longer segment's."""
+    out = tmp_path / "eval"
+    assert main([f"run={micro_run}", f"out_dir={out}", "progress=false", "wandb.mode=disabled", "task=attention",
+                 "attention.length=64", "attention.scalings=[none,dynamic:4]"]) == 0
+    result = result_files.load_results(out)["attention"]
+    meta, heads = result["meta"], result["heads"]
+    n_head = model_config_of(find_checkpoint(micro_run)).n_head
+    assert result["head_lengths"] == [32, 128, 512] and result["distance_bins"] == [list(b) for b in distance_bins(512)]
+    assert sorted((r["scaling"], r["length"], r["layer"], r["head"]) for r in heads) == sorted(
+        (s, n, layer, h) for s in ("none", "dynamic:4") for n in (32, 128, 512)
+        for layer in range(1, meta["n_layer"] + 1) for h in range(1, n_head + 1))
+    for r in heads:
+        assert 0 <= r["sink_share"] <= 1 and r["entropy"] >= 0
+        assert (r["sink_share_beyond"] is None) == (r["length"] == 32)
+    at = {(r["scaling"], r["length"], r["layer"], r["head"]): r["max_logit"] for r in heads}
+    for (scaling, length, layer, head), short in at.items():
+        if scaling == "none" and length == 32:
+            assert all(a <= b for a, b in zip(short, at[(scaling, 512, layer, head)]))
+    assert (out / "attention_heads.csv").stat().st_size > 0 and "## Sink share" in (out / "report.md").read_text()

@@ -73,6 +73,7 @@ class HFModel:
     config: dict[str, Any]
     model: ModelConfig
     tensors: dict[str, Path]  # Hugging Face tensor name -> the safetensors file holding it
+    notes: tuple[str, ...] = ()  # what a reader of the directory is told (a tied head's tensor not read)
 
     @property
     def names(self) -> dict[str, str]:
@@ -84,6 +85,21 @@ def is_hf_dir(path: str | Path) -> bool:
     """Whether `path` is meant as a Hugging Face directory (it holds a config.json; run and
     checkpoint directories hold a config.yaml)."""
     return (Path(path) / CONFIG).is_file()
+
+
+def missing_config(path: str | Path) -> str | None:
+    """One line for a directory that holds a Hugging Face model's files (weights or tokenizer) but
+    no config.json, which a command would otherwise call a directory without checkpoints; None
+    for anything else."""
+    path = Path(path)
+    if not path.is_dir() or is_hf_dir(path) or (path / "config.yaml").exists():
+        return None
+    found = sorted({p.name for pattern in ("*.safetensors", INDEX, "pytorch_model*.bin", "tokenizer.json")
+                    for p in path.glob(pattern)})
+    if not found:
+        return None
+    return (f"{path} holds {found[0]} but no {CONFIG}: a Hugging Face model directory needs its {CONFIG} "
+            "(save the model with save_pretrained)")
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -156,9 +172,10 @@ def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> None:
+def check_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> tuple[str, ...]:
     """Every parameter of a model of `cfg` present at its shape, and nothing else that is a
-    parameter (the headers only: no tensor is read)."""
+    parameter (the headers only: no tensor is read); returns what a reader is told (a tied model's
+    separate head tensor, which is not read)."""
     with torch.device("meta"):
         wanted = {name: tuple(p.shape) for name, p in GPT(cfg).named_parameters()}
     shapes = _shapes(files)
@@ -178,18 +195,24 @@ def check_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> None:
     if extra:
         raise HFImportError(f"{path}: tensor {extra[0]} is not a parameter of a {cfg.arch} model of {CONFIG}'s "
                             f"settings" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+    unread = sorted(head & set(shapes))
+    if unread:
+        return (f"{path / CONFIG} has tie_word_embeddings=true: the LM head is the input embedding "
+                f"({names['wte.weight']}), and the directory's separate {unread[0]} is not read (as transformers "
+                "ties it)",)
+    return ()
 
 
 def read(path: str | Path) -> HFModel:
     """A directory checked for import: config.json read and mapped, every tensor's header checked."""
     path = Path(path)
     if not is_hf_dir(path):
-        raise HFImportError(f"{path} is not a Hugging Face model directory (no {CONFIG})")
+        raise HFImportError(missing_config(path) or f"{path} is not a Hugging Face model directory (no {CONFIG})")
     config = read_config(path)
     cfg = model_config(config, str(path / CONFIG))
     files = tensor_files(path)
-    check_tensors(path, cfg, files)
-    return HFModel(path, config, cfg, files)
+    notes = check_tensors(path, cfg, files)
+    return HFModel(path, config, cfg, files, notes)
 
 
 def state_dict(hf: HFModel) -> dict[str, torch.Tensor]:
@@ -220,7 +243,8 @@ def _show(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
 
 
-def combine(source: ModelConfig, requested: ModelConfig, where: str) -> ModelConfig:
+def combine(source: ModelConfig, requested: ModelConfig, where: str,
+            named: frozenset[str] = frozenset()) -> ModelConfig:
     """The model config of a run whose weights come from `source` (a directory's, `where`), given
     the composed `requested` one. The fields in `FIXED` are the source's, and a requested value
     that is not the schema's default and disagrees is refused (`ConfigError`, exit 2: the weights
@@ -230,7 +254,8 @@ def combine(source: ModelConfig, requested: ModelConfig, where: str) -> ModelCon
     where set (not the default), else the source's; every other field (activation checkpointing,
     document masking, init_std) is the
     requested one. A value equal to the default cannot be told from no override: it reads as none
-    (the composed config keeps no trace of the command line)."""
+    (the composed config keeps no trace of the command line), unless `named` (the model fields the
+    command line sets: `model.arch=neox` on a Llama directory) says it was given."""
     attention = requested.attention if requested.attention != _MODEL_DEFAULTS["attention"] else source.attention
     chosen = {"attention": attention}  # another attention converts the weights
     for name in FIXED:
@@ -239,7 +264,7 @@ def combine(source: ModelConfig, requested: ModelConfig, where: str) -> ModelCon
         theirs, ours = getattr(source, name), getattr(requested, name)
         if name == "n_kv_head":
             theirs, ours = source.kv_heads, requested.n_kv_head
-        if ours == _MODEL_DEFAULTS[name] or ours == theirs:
+        if (ours == _MODEL_DEFAULTS[name] and name not in named) or ours == theirs:
             continue
         if isinstance(ours, float) and isinstance(theirs, float) and math.isclose(ours, theirs, rel_tol=1e-12):
             continue

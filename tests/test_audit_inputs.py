@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -168,3 +169,93 @@ def test_a_wsd_decay_that_rounds_to_no_step_is_refused(fraction, steps, refused,
         assert wsd_decay_start(optim, steps) == steps - 1  # the fraction it suggests decays one step
     else:
         assert code == 0 and err == "", err
+
+
+# --- Hugging Face directories -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A Llama directory saved by transformers (2 layers, max_position_embeddings 64, untied)."""
+    from test_hf_import import llama_dir
+
+    return llama_dir(tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.mark.parametrize("override, fixed", [("model.arch=neox", "model.arch=llama"),
+                                             ("model.n_layer=4", "model.n_layer=2")])
+def test_an_override_at_its_default_that_disagrees_with_a_directory_is_refused(llama, override, fixed, tmp_path,
+                                                                               capsys):
+    """`model.arch=neox` (the schema's default) on a Llama directory exited 0, the override dropped."""
+    code, err = _train_main(capsys, f"init_from={llama}", override, f"run_dir={tmp_path / 'run'}")
+    _one_line(code, err, EXIT_USAGE, f"{override} disagrees with {llama / 'config.json'}", f"fix {fixed}",
+              "drop the override")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tied_directory_with_a_separate_head_says_which_is_used(llama, tok, tmp_path, capsys):
+    """tie_word_embeddings=true beside an lm_head.weight was taken without a word: eval and train say
+    the embedding is the head and the separate tensor is not read (as transformers ties it)."""
+    from test_hf_import import llama_dir
+
+    from hf.imports import read
+    from train.load import load_model
+    from train.start import plan_start
+    from train.trainer import source_notes
+
+    tied = llama_dir(tmp_path / "tied", sp=tok)  # untied, saved with its lm_head.weight, then said to be tied
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    want = [f"{tied / 'config.json'} has tie_word_embeddings=true: the LM head is the input embedding "
+            "(model.embed_tokens.weight), and the directory's separate lm_head.weight is not read (as transformers "
+            "ties it)"]
+    assert list(read(tied).notes) == want and read(llama).notes == ()
+    capsys.readouterr()
+    model, _, _ = load_model(str(tied))
+    assert capsys.readouterr().err.strip().splitlines() == want
+    assert torch.equal(model.lm_head.weight, model.wte.weight)
+    start = plan_start(TrainConfig(init_from=str(tied), run_dir=str(tmp_path / "run")))
+    assert source_notes(start) == want
+
+
+def test_a_run_past_the_directorys_length_without_rope_scaling_is_warned(llama, tmp_path):
+    """max_position_embeddings=64 trained at model.max_seq_len=256 with RoPE as it was: a warning."""
+    from model.config import RopeScaling
+    from train.start import plan_start
+    from train.trainer import source_notes
+
+    def notes(**model) -> list[str]:
+        cfg = TrainConfig(model=replace(ModelConfig(), **model), init_from=str(llama), run_dir=str(tmp_path / "r"))
+        return source_notes(plan_start(cfg))
+
+    (warning,) = notes(max_seq_len=256)
+    assert warning.startswith(f"warning: {llama / 'config.json'} has max_position_embeddings=64 and this run trains "
+                              "at model.max_seq_len=256 with no model.rope_scaling"), warning
+    assert notes(max_seq_len=64) == notes(max_seq_len=256, rope_base=500000.0) == []
+    assert notes(max_seq_len=256, rope_scaling=RopeScaling(type="linear", factor=4.0)) == []
+
+
+def test_a_directory_without_config_json_is_named_so(llama, tmp_path, capsys):
+    """It was called a directory with "no complete checkpoint found"."""
+    from eval.__main__ import main as eval_main
+
+    bare = Path(shutil.copytree(llama, tmp_path / "bare"))
+    (bare / "config.json").unlink()
+    want = f"{bare} holds model.safetensors but no config.json: a Hugging Face model directory needs its config.json"
+    code, err = _train_main(capsys, f"init_from={bare}", f"run_dir={tmp_path / 'run'}")
+    _one_line(code, err, EXIT_INPUT, f"init_from={bare}: {want}")
+    code = eval_main([f"run={bare}", "task=ppl", "wandb.mode=disabled", f"out_dir={tmp_path / 'eval'}"])
+    _one_line(code, capsys.readouterr().err, EXIT_INPUT, want)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "eval").exists()
+
+
+def test_eval_of_a_directory_whose_tokenizer_outgrows_its_model_is_one_line(tok, tmp_path, capsys):
+    """A tokenizer with ids past the model's vocab_size: an IndexError in the embedding, mid-evaluation."""
+    from test_hf_import import llama_dir
+
+    from eval.__main__ import main as eval_main
+
+    small = llama_dir(tmp_path / "small", sp=tok, vocab=tok.vocab_size - 12)
+    capsys.readouterr()  # transformers' progress while saving it
+    code = eval_main([f"run={small}", "task=ppl", "wandb.mode=disabled", f"out_dir={tmp_path / 'eval'}"])
+    _one_line(code, capsys.readouterr().err, EXIT_INPUT, f"the tokenizer {small / 'tokenizer.model'} has "
+              f"{tok.vocab_size} tokens, more than the model's vocab_size={tok.vocab_size - 12}")
+    assert not (tmp_path / "eval").exists()

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     flush_denormals()  # first: OpenMP's workers inherit it (model/denormals.py)
     try:
-        start = preflight(cfg)
+        start = preflight(cfg, overrides)
     except (UserError, FileNotFoundError, ValueError) as error:
         return _say_once(error, exit_code(error), shared=True)  # every rank makes the same checks
 

@@ -20,6 +20,7 @@ import io
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,8 +28,9 @@ import torch
 
 from data.config import DataError
 from data.tokenizer import SP_TOKENIZER_FILE, HFTokenizer, Tokenizer, load_tokenizer
-from hf.imports import import_hf, is_hf_dir
+from hf.imports import HFImportError, is_hf_dir, missing_config
 from hf.imports import read as read_hf
+from hf.imports import state_dict as hf_state_dict
 from model import GPT, ModelConfig
 from train.bf16_checkpoint import bf16_optimizer_state_dict, is_bf16_optimizer_checkpoint
 from train.checkpoint import (
@@ -141,10 +143,22 @@ def is_hf_model(path: str | Path) -> bool:
     return is_hf_dir(path) and not (Path(path) / "config.yaml").exists()
 
 
+def model_path(path: str | Path) -> Path:
+    """`path` as the commands that read a model take it: a Hugging Face directory as it is, else the
+    checkpoint it names (`find_checkpoint`); a directory of a Hugging Face model's files without its
+    config.json is refused naming config.json (it is not a run without checkpoints)."""
+    if is_hf_model(path):
+        return Path(path)
+    unreadable = missing_config(path)
+    if unreadable:
+        raise HFImportError(unreadable)
+    return find_checkpoint(path)
+
+
 def model_config_of(path: str | Path) -> ModelConfig:
     """The model config of what `load_model(path)` loads, read without loading the weights (an
     HF directory's config.json mapped and its tensor headers checked)."""
-    return read_hf(path).model if is_hf_model(path) else saved_model(find_checkpoint(path))
+    return read_hf(path).model if is_hf_model(path) else saved_model(model_path(path))
 
 
 def load_model(path: str, device: str = "cpu") -> tuple[GPT, TrainConfig, Tokenizer | HFTokenizer]:
@@ -153,11 +167,18 @@ def load_model(path: str, device: str = "cpu") -> tuple[GPT, TrainConfig, Tokeni
     the default one around its imported model) and tokenizer. A damaged checkpoint (a file missing
     or not at its written size) is refused first, naming the older sound one."""
     if is_hf_model(path):
-        cfg, state = import_hf(path)
-        model = GPT(cfg)
-        model.load_state_dict(state)
-        return model.to(device).eval(), TrainConfig(model=cfg), load_tokenizer(path)
-    ckpt = find_checkpoint(path)
+        hf = read_hf(path)
+        tokenizer = load_tokenizer(path)
+        if tokenizer.vocab_size > hf.model.vocab_size:
+            raise HFImportError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
+                                f"model's vocab_size={hf.model.vocab_size} ({Path(path) / 'config.json'}): its ids "
+                                f"from {hf.model.vocab_size} on have no embedding")
+        for note in hf.notes:
+            print(note, file=sys.stderr)
+        model = GPT(hf.model)
+        model.load_state_dict(hf_state_dict(hf))
+        return model.to(device).eval(), TrainConfig(model=hf.model), tokenizer
+    ckpt = find_checkpoint(model_path(path))
     try:
         verify(ckpt)
     except CheckpointError as error:

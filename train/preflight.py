@@ -12,14 +12,17 @@ start, its C++ op build). Every rank makes the same checks; they change nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from data.config import check_dir
 from data.sources import check_sources
 from train.config import TrainConfig
 from train.start import Start, plan_start
 
 
-def preflight(cfg: TrainConfig) -> Start:
+def preflight(cfg: TrainConfig, overrides: Sequence[str] = ()) -> Start:
+    """The checks, and the start `plan_start` decides (`overrides`: the command line's)."""
     check_dir(cfg.run_dir, "run_dir")
-    start = plan_start(cfg)  # refuses to overwrite a run silently, and a model its source disagrees with
+    start = plan_start(cfg, overrides)  # refuses to overwrite a run silently, and a model its source disagrees with
     check_sources(cfg.data)
     return start

@@ -20,6 +20,7 @@ built from what it returned. Every rank plans alike.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -28,7 +29,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from errors import first_line
-from hf.imports import HFModel, combine, is_hf_dir
+from hf.imports import HFModel, combine, is_hf_dir, missing_config
 from hf.imports import read as read_hf
 from model.config import ModelConfig, upgrade_saved
 from train import checkpoint
@@ -76,18 +77,26 @@ class Start:
         return self.written is not None and self.written != (world_size, self.cfg.parallel.sequence)
 
 
-def plan_start(cfg: TrainConfig) -> Start:
+def named_model_fields(overrides: Sequence[str]) -> frozenset[str]:
+    """The model fields a command line sets (`model.arch=neox` -> arch): an override equal to the
+    default is still an override of a model source's value (`hf.imports.combine`)."""
+    keys = (override.split("=", 1)[0].lstrip("+~") for override in overrides)
+    return frozenset(key.split(".")[1] for key in keys if key.startswith("model.") and key.count(".") >= 1)
+
+
+def plan_start(cfg: TrainConfig, overrides: Sequence[str] = ()) -> Start:
     """The one decision of what a run's start is; refuses (one line) a start that cannot be: a run
     that would be overwritten, an `init_from` that is neither a checkpoint nor a Hugging Face
     directory, a model that disagrees with its source (`hf.imports.combine`, exit 2) or with the
-    checkpoint it takes weights from (`checkpoint.check_compatible`)."""
+    checkpoint it takes weights from (`checkpoint.check_compatible`). `overrides`, the command line's,
+    tell a model field set to its default from one left alone."""
     resumed = checkpoint_to_resume(cfg)
     init_from = find_init(cfg.init_from) if cfg.init_from else None
     origin = resumed or init_from
     source = model_source(origin) if origin is not None else None
     model = cfg.model
     if source is not None:
-        model = combine(source.model, cfg.model, source.where)
+        model = combine(source.model, cfg.model, source.where, named_model_fields(overrides))
     elif init_from is not None:
         saved = checkpoint.saved_model(init_from)
         check_kept(saved, cfg.model, f"init_from={init_from}")  # a modifier it learned (exit 2)
@@ -182,6 +191,9 @@ def find_init(path: str | Path) -> Path:
     `hf.imports`) as it is, else a checkpoint (`find_checkpoint`: a run's newest, or the one named)."""
     if is_hf_dir(path):
         return Path(path)
+    unreadable = missing_config(path)
+    if unreadable:
+        raise CheckpointError(f"init_from={path}: {unreadable}")
     try:
         return checkpoint.find_checkpoint(path)
     except CheckpointError as error:

@@ -276,6 +276,8 @@ def _checks(start: Start) -> _Checked:
               f"{m.n_embd}, {m.n_head} heads ({m.kv_heads} kv), vocab_size {m.vocab_size}, max_seq_len "
               f"{m.max_seq_len}, rope_base {m.rope_base:g}, rope_scaling {m.rope_scaling.type}; tokenizer "
               f"{tokenizer.path} ({tokenizer.vocab_size} tokens, EOS {tokenizer.eos_id})", file=sys.stderr)
+        for note in source_notes(start):
+            print(note, file=sys.stderr)
     if resume_from is not None and source is None:
         resume.check_tokenizer(resume_from, tokenizer)
     if source is None and tokenizer.vocab_size != cfg.model.vocab_size:
@@ -284,6 +286,23 @@ def _checks(start: Start) -> _Checked:
             "set data.tokenizer.vocab_size to match"
         )
     return _Checked(changed, kept, warning, tokenizer)
+
+
+def source_notes(start: Start) -> list[str]:
+    """What a run from a model source is told besides its model: what the import noted (a tied
+    head's separate tensor, not read), and a warning where it trains with RoPE past the source's
+    training length (an HF directory's max_position_embeddings) with neither a RoPE scaling nor
+    another base: positions the source's RoPE never saw, which the extend_* recipes stretch RoPE for."""
+    notes = list(start.source.hf.notes) if start.source.hf is not None else []
+    model, source = start.cfg.model, start.source.model
+    if (not model.design.rope or model.max_seq_len <= source.max_seq_len or model.rope_scaling.type != "none"
+            or model.rope_base != source.rope_base):
+        return notes
+    length = "max_position_embeddings" if start.source.hf is not None else "model.max_seq_len"
+    return [*notes, f"warning: {start.source.where} has {length}={source.max_seq_len} and this run trains at "
+            f"model.max_seq_len={model.max_seq_len} with no model.rope_scaling and the same model.rope_base: "
+            "its RoPE meets positions it never saw (set model.rope_scaling.type or a larger model.rope_base, as "
+            "conf/experiment/extend_*.yaml do)"]
 
 
 def _source_tokenizer(cfg: TrainConfig, source: ModelSource):

@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import mup
 from .attention import AttentionInputs, CausalSelfAttention, LayerCache
 from .config import ModelConfig
 from .designs import Rope, RopeTables, ScoreBias, length_temperature
 from .designs import key_counts as key_counts_of
 from .documents import Documents, positions
 from .loss import linear_cross_entropy_sum, token_losses
+from .mup import attention_multiplier, output_multiplier, rescale_init
 from .sampling import check_sampling, next_token
 from .sequence_parallel import SequenceParallel
 
@@ -163,8 +163,8 @@ class GPT(nn.Module):
         self.sequence_parallel: SequenceParallel | None = None  # `model.sequence_parallel.enable`
         self.apply(lambda module: init_weights(module, cfg.init_std))
         if cfg.mup:
-            mup.rescale_init(self)
-            self.lm_head.multiplier = mup.output_multiplier(cfg)
+            rescale_init(self)
+            self.lm_head.multiplier = output_multiplier(cfg)
 
     # ---- forward ---------------------------------------------------------------------------------
 
@@ -222,7 +222,7 @@ class GPT(nn.Module):
             scale = length_temperature(at, self.cfg.max_seq_len).to(x.dtype)[..., None]
             q_scale = scale[:, None] if per_document else scale
         if self.cfg.mup and self.cfg.n_embd != self.cfg.mup_base_width:  # muP's 1/d attention
-            factor = mup.attention_multiplier(self.cfg)
+            factor = attention_multiplier(self.cfg)
             q_scale = factor if q_scale is None else q_scale * factor
         key_counts = None
         if self.cfg.ssmax:  # the keys each query attends to: within its document under doc_mask

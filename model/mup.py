@@ -7,7 +7,7 @@ are classified by their shapes, with no list of names:
 
     kind     infinite dims                       init std        Adam lr    forward
     hidden   two (fan-in and fan-out)            x 1/sqrt(m)     x 1/m
-    output   fan-in only, a linear's weight      x 1/m           x 1/m      (Table 3's form)
+    output   a linear's weight, fan-in only       x 1/m           x 1/m      (Table 3's form)
     readout  the LM head                         unchanged       x 1        logits x 1/m (Table 8's form)
     vector   at most one, not fan-in: embedding, unchanged       x 1
              biases, norms, per-head parameters
@@ -73,6 +73,7 @@ def kinds(model: nn.Module) -> dict[str, str]:
     cfg = model.cfg
     base, wide = _shapes(at_width(cfg, cfg.mup_base_width)), _shapes(at_width(cfg, 2 * cfg.mup_base_width))
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    linears = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     out: dict[str, str] = {}
     for name, p in model.named_parameters():
         infinite = [i for i, (a, b) in enumerate(zip(base[name], wide[name], strict=True)) if a != b]
@@ -80,7 +81,7 @@ def kinds(model: nn.Module) -> dict[str, str]:
             out[name] = "readout"
         elif len(infinite) == 2:
             out[name] = "hidden"
-        elif p.dim() >= 2 and infinite == [p.dim() - 1] and id(p) not in embeddings:
+        elif id(p) in linears and infinite == [1]:
             out[name] = "output"
         else:
             out[name] = "vector"

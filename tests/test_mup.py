@@ -1,0 +1,117 @@
+"""muP (`model.mup`): the kind of every parameter of every design on both architectures, the base
+width equal to the standard model, the output multiplier and 1/d attention against their
+definitions, the lr factors (Adam's and Muon's spectral ones), and the coordinate check: activation
+and update sizes flat across widths 64..512 under muP, growing under the standard parametrization."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from bench.mup_coord_check import coordinates, spread
+from model import GPT, ModelConfig
+from model.designs import DESIGNS
+from model.mup import kinds, lr_multiplier
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+HIDDEN = re.compile(r"h\.\d+\.(attn\.(qkv|q|k|v|proj)|mlp\.(fc|proj|gate|up|down))\.weight")
+LLAMA = dict(arch="llama", parallel_residual=False, n_kv_head=2)
+
+
+def _cfg(width: int, **overrides) -> ModelConfig:
+    return ModelConfig(**{**dict(n_layer=2, n_head=4, n_embd=width, ffn_hidden=2 * width, vocab_size=64,
+                                 max_seq_len=16, mup=True, mup_base_width=32), **overrides})
+
+
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["neox", "llama"])
+@pytest.mark.parametrize("key", list(DESIGNS))
+def test_mup_kinds_of_every_design_parameter_and_their_lr_factors(key, arch):
+    """From the shapes at two widths: the projections are hidden (Adam lr / m), the LM head the
+    readout, a design's matrix from the width to the heads (FoX's forget gate) output-like
+    (lr / m), everything else (the design's per-head and fixed-size parameters among them) a
+    vector at lr x 1; Muon's factor under `original` is 1 and under `match_rms_adamw` 1/sqrt(m)."""
+    design = DESIGNS[key]
+    modifiers = dict(sinks=True, ssmax=True) if design.softmax else {}
+    model = GPT(_cfg(128, **arch, **design.settings(), **modifiers))  # m = 4
+    found = kinds(model)
+    params = dict(model.named_parameters())
+    for name, kind in found.items():
+        p = params[name]
+        if HIDDEN.fullmatch(name):
+            assert kind == "hidden", name
+            assert lr_multiplier(model, "original", p, True) == pytest.approx(1.0)
+            assert lr_multiplier(model, "match_rms_adamw", p, True) == pytest.approx(0.5)
+        elif name == "lm_head.weight":
+            assert kind == "readout"
+        elif kind == "output":
+            assert p.dim() == 2 and p.shape[1] == 128 and p.shape[0] < 128 and name.endswith(".weight"), name
+        else:
+            assert kind == "vector" or kind == "hidden" and "pro" in name, (name, kind)
+        expected = 0.25 if kind in ("hidden", "output") else 1.0
+        assert lr_multiplier(model, "original", p, False) == pytest.approx(expected), name
+    if key == "fox":
+        assert {n for n, k in found.items() if k == "output"} == {f"h.{i}.attn.score_bias.gate.weight" for i in (0, 1)}
+
+
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["neox", "llama"])
+def test_mup_at_the_base_width_is_the_standard_model(arch):
+    torch.manual_seed(0)
+    standard = GPT(_cfg(32, mup=False, **arch))
+    torch.manual_seed(0)
+    mup = GPT(_cfg(32, **arch))
+    assert all(torch.equal(a, b) for a, b in zip(standard.parameters(), mup.parameters(), strict=True))
+    idx = torch.randint(0, 64, (2, 16))
+    assert torch.equal(standard(idx), mup(idx))
+
+
+def test_mup_init_output_multiplier_and_attention_against_their_definitions():
+    """At m = 4: hidden weights drawn at init_std / 2, the embedding and head at init_std; the logits
+    are W_head h / m (float64 from the final hidden states); each layer's q_eff is q_eff of the same
+    weights without muP times sqrt(d_base / d) = 1/2 (scores q.k sqrt(d_base)/d)."""
+    torch.manual_seed(0)
+    cfg = _cfg(128, n_layer=4)
+    model = GPT(cfg)
+    assert model.h[0].mlp.fc.weight.std().item() == pytest.approx(0.01, rel=0.05)
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        h = model.hidden_states(idx).double()
+        expected = h @ model.lm_head.weight.double().T / 4.0
+        torch.testing.assert_close(model(idx).double(), expected, rtol=1e-5, atol=1e-6)
+        plain = GPT(_cfg(128, n_layer=4, mup=False))
+        plain.load_state_dict(model.state_dict())
+        first = model.capture_qk(idx)[0], plain.capture_qk(idx)[0]
+        torch.testing.assert_close(first[0].q_eff, first[1].q_eff * math.sqrt(32 / 128), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(first[0].k_eff, first[1].k_eff)
+
+
+BOUND = 2.0  # max/min of a size over widths 64..512 (8x): Theta(1) passes, Theta(sqrt(width)) (2.8x) fails
+
+
+def _spreads(data: dict) -> dict[str, tuple[float, float]]:
+    return {name: (spread({w: v[0] for w, v in by_width.items()}), spread({w: v[1] for w, v in by_width.items()}))
+            for name, by_width in data.items()}
+
+
+def test_mup_coord_check_adamw_is_flat_across_widths():
+    """Three AdamW steps at lr 1e-2 at widths 64, 128, 256, 512: under muP every activation's size
+    and its change from init (embedding, each block, logits) stay within BOUND across widths."""
+    spreads = _spreads(coordinates(mup=True, optimizer="adamw", seeds=1))
+    assert all(a < BOUND and b < BOUND for a, b in spreads.values()), spreads
+
+
+@pytest.mark.slow
+def test_mup_coord_check_muon_is_flat_and_standard_grows():
+    """The same under Muon (its spectral lr factors); and the check can fail: under the standard
+    parametrization the blocks' sizes grow with the width past BOUND (measured: x32 and x53 under
+    AdamW, x4 under Muon, docs/mup_coord_check.png)."""
+    spreads = _spreads(coordinates(mup=True, optimizer="muon", seeds=1))
+    assert all(a < BOUND and b < BOUND for a, b in spreads.values()), spreads
+    for optimizer in ("adamw", "muon"):
+        standard = _spreads(coordinates(mup=False, optimizer=optimizer, seeds=1))
+        assert standard["block 1"][1] > 1.5 * BOUND, standard

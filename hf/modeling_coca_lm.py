@@ -451,7 +451,15 @@ class CocaLMForCausalLM(CocaLMPreTrainedModel, GenerationMixin):
         self._sync()
         gpt = self.decoder
         keep = logits_to_keep if labels is None else 0
-        if mask is None:
+        if mask is not None:
+            if any(r is not None and r.scaling.type == "dynamic" for r in gpt.layer_ropes):
+                raise ValueError("a padded batch under dynamic NTK: the RoPE base follows each row's own length, "
+                                 "which one batch cannot have; run its rows one by one")
+            if cache is not None:
+                cache.__dict__["coca_lm_mask"] = mask  # what a continuation without a mask is padded as
+        if mask is None or bool(mask[:, 0].all()):
+            # no padding before any row's real tokens: causal attention keeps them as they are (padding
+            # after them is no key of theirs), as one batch
             h = gpt.hidden_states(input_ids, None if cache is None else _Cache(cache, gpt.cfg.n_layer), keep=keep)
         else:
             h = self._padded(input_ids, mask, cache, keep)
@@ -462,18 +470,13 @@ class CocaLMForCausalLM(CocaLMPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
 
     def _padded(self, input_ids: torch.Tensor, mask: torch.Tensor, cache: Cache | None, keep: int) -> torch.Tensor:
-        """Final hidden states of a padded batch (`padding`'s mask), each row's as it computes alone.
+        """Final hidden states of a left-padded batch (`padding`'s mask), each row's as it computes alone.
         Without a cache the batch runs at once as documents (`model.documents`): the padding before
         a row's real tokens one document, those tokens the next, with positions restarting at each;
         with one, each row's real tokens run on their own over its part of the cache (`_RowCache`),
         the padding's states zeros. Padding after a row's real tokens only follows them (causal)."""
         gpt = self.decoder
-        if any(r is not None and r.scaling.type == "dynamic" for r in gpt.layer_ropes):
-            raise ValueError("a padded batch under dynamic NTK: the RoPE base follows each row's own length, which "
-                             "one batch cannot have; run its rows one by one")
         T = input_ids.shape[1]
-        if cache is not None:
-            cache.__dict__["coca_lm_mask"] = mask
         if cache is None:
             starts = torch.ones_like(mask)
             starts[:, 1:] = mask[:, 1:] != mask[:, :-1]

@@ -88,8 +88,9 @@ def test_a_left_padded_generate_gives_each_row_its_greedy_tokens(exported):
 
 
 def test_padding_it_cannot_compute_is_refused_in_one_line(tok, tmp_path):
-    """Padding between a row's real tokens (given, or right padding continued by `generate`), a row
-    of padding only, positions counted across the padding, and padding under dynamic NTK."""
+    """Padding between a row's real tokens (given, or right padding continued over a cache, with the
+    mask or without it), a row of padding only, positions counted across the padding, a mask that
+    disagrees with the padding in the cache, and padding under dynamic NTK."""
     path = export_hf(random_model(tok, "alibi"), tok, tmp_path / "alibi")
     hf = load_hf(path)
     idx = torch.randint(4, tok.vocab_size, (2, 8), generator=torch.Generator().manual_seed(9))
@@ -108,6 +109,12 @@ def test_padding_it_cannot_compute_is_refused_in_one_line(tok, tmp_path):
             assert "\n" not in str(error.value)
         with pytest.raises(ValueError, match="not between them"):
             hf.generate(idx, attention_mask=left.flip(1), max_new_tokens=2, do_sample=False, eos_token_id=None)
+        for mask, continued, needle in ((left.flip(1), None, "not between them"),  # the cache remembers
+                                        (left, torch.ones(2, 9), "disagrees with the padding the cache was filled")):
+            out = hf(idx, attention_mask=mask)
+            field = "cache" if "cache" in out.keys() else "past_key_values"
+            with pytest.raises(ValueError, match=needle):
+                hf(idx[:, :1], attention_mask=continued, **{field: out[field]})
     coca = load_hf(export_hf(random_model(tok, "coca-slack"), tok, tmp_path / "coca"),
                    {"rope_type": "dynamic", "factor": 4.0})
     with torch.no_grad(), pytest.raises(ValueError, match="padded batch under dynamic NTK"):

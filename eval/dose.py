@@ -22,7 +22,6 @@ generators, rounded numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -32,18 +31,23 @@ from dataclasses import dataclass, field
 from itertools import product
 from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.cli import OneLineParser
 from data.config import DataError, check_dir
-from errors import exit_code, report_error
-from eval import stats
+from errors import UserError, exit_code, first_line, one_line, report_error
+from eval import plots, stats
 from eval.aggregate import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, NONE, adjust_family, run_cases
-from eval.results import write_csv
+from eval.results import read_json, result_file, write_csv
 from eval.tables import markdown
+
+if TYPE_CHECKING:
+    from train.config import TrainConfig
 
 RUN_NAME = re.compile(r"(?P<design>.+)_d(?P<dose>\d+)_s(?P<seed>\d+)")
 REFERENCE_NAME = re.compile(r"(?P<design>.+)_s(?P<seed>\d+)")
@@ -75,22 +79,25 @@ def load_run(path: Path, pattern: re.Pattern = RUN_NAME) -> DoseRun:
     design its config selects where its folder names none (`text_s1`: Origin on text)."""
     from model.config import count_parameters  # deferred: torch
     from model.designs.registry import DESIGNS, design_of
-    from train.config import to_train_config
 
     match = pattern.fullmatch(path.name)
     if match is None:
         raise DataError(f"{path}: a dose run's folder is named <design>_d<steps>_s<seed>")
-    config, results = path / "config.yaml", path / "ppl.json"
-    if not results.is_file() and (path / "eval" / "ppl.json").is_file():
-        results = path / "eval" / "ppl.json"
-    for needed in (config, results):
-        if not needed.is_file():
-            raise DataError(f"{path}: {needed.name} is missing (not a finished, evaluated run)")
-    cfg = to_train_config(OmegaConf.load(config))
-    cases = run_cases({"ppl": json.loads(results.read_text())})
+    config = path / "config.yaml"
+    results = result_file(path, "ppl.json") or result_file(path / "eval", "ppl.json")
+    if not config.is_file() or results is None:
+        missing = "config.yaml" if not config.is_file() else "ppl.json"
+        raise DataError(f"{path}: {missing} is missing (not a finished, evaluated run)")
+    cfg = _train_config(config)
+    ppl = read_json(results, "delete it and rerun `python -m eval task=ppl` for that run")
+    if not (isinstance(ppl, dict) and isinstance(ppl.get("meta"), dict) and "train_len" in ppl["meta"]
+            and isinstance(ppl.get("rows"), list)):
+        raise DataError(f"{results} is not a `python -m eval` ppl result (needs meta.train_len and a rows list)")
+    cases = run_cases({"ppl": ppl})
     ratios = {(scaling, length): float(v.mean()) for (metric, scaling, length), v in cases.items()
               if metric == "ppl_ratio"}
-    cost = json.loads((path / "cost.json").read_text()) if (path / "cost.json").is_file() else {}
+    cost_file = result_file(path, "cost.json")
+    cost = read_json(cost_file, "rewrite it or delete it") if cost_file else {}
     machine = (path / "machine.txt").read_text().strip().splitlines() if (path / "machine.txt").is_file() else []
     steps = int(match.group("dose")) if "dose" in pattern.groupindex else cfg.max_steps
     design = match.group("design")
@@ -99,6 +106,35 @@ def load_run(path: Path, pattern: re.Pattern = RUN_NAME) -> DoseRun:
     return DoseRun(design, steps, int(match.group("seed")), cfg.model.max_seq_len,
                    steps * cfg.batch_size * cfg.model.max_seq_len, count_parameters(cfg.model)["non_embedding"],
                    ratios, cost, machine[-1] if machine else "")
+
+
+def _train_config(path: Path) -> TrainConfig:
+    """A run's saved config.yaml as this code's `TrainConfig`, or a `DataError` naming the file."""
+    from train.config import to_train_config  # deferred: torch
+
+    try:
+        raw = OmegaConf.load(path)
+        if not isinstance(raw, DictConfig):
+            raise ValueError("not a mapping of settings")
+        return to_train_config(raw)
+    except yaml.MarkedYAMLError as e:
+        why = f"not YAML: {e.problem} at line {e.problem_mark.line + 1}" if e.problem_mark else f"not YAML: {e}"
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        why = f"not YAML: {first_line(e)}"
+    except (UserError, OmegaConfBaseException, ValueError, TypeError) as e:
+        why = f"not a run's config: {one_line(e)}"
+    raise DataError(f"{path} is {why}")
+
+
+def distinct(paths: Sequence[Path], what: str) -> None:
+    """Refuse a folder given twice (also by two paths to it): it would count as two seeds."""
+    seen: dict[Path, Path] = {}
+    for p in paths:
+        first = seen.get(p.resolve())
+        if first is not None:
+            same = "given twice" if str(first) == str(p) else f"and {first} are the same folder"
+            raise DataError(f"{what} {p} {same}: each run counts once")
+        seen[p.resolve()] = p
 
 
 # ----------------------------------------------------------------------------- the family
@@ -416,8 +452,7 @@ def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, referen
                              r["paired_seeds"], "n/a" if r["paired_seeds"] == 0 else f"{r['paired_difference']:+.3f}"]
                             for r in refs]), ""]
     fig = figure(runs, reference, length, train_len, resamples)
-    png = out / "dose_ratio.png"
-    fig.savefig(png, dpi=120, metadata={"Software": None})
+    png = plots.save(fig, out / "dose_ratio.png", tight=False)
     written.append(png)
     lines += [f"![ratio at {length} against training tokens]({png.name})", ""]
     md = out / "dose_report.md"
@@ -439,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_dir(args.out, "--out")
         family = load_family(args.family) if args.family else None
+        distinct([*args.runs, *args.reference], "run")
         runs = [load_run(p) for p in args.runs]
         designs = {r.design for r in runs}
         reference = [r for r in (load_run(p, REFERENCE_NAME) for p in args.reference) if r.design in designs]

@@ -16,7 +16,7 @@ import numpy as np
 
 from eval import plots
 from eval.position_loss import log_bins
-from eval.results import RESULT_LISTS, load_result, write_csv
+from eval.results import RESULT_LISTS, load_result, result_file, write_csv
 from eval.ruler.score import summary
 from eval.tables import markdown
 
@@ -24,9 +24,10 @@ FILES = {task: (f"{task}.json", RESULT_LISTS[task]) for task in ("ruler", "posit
 
 
 def load(eval_dir: Path) -> dict[str, dict]:
-    """The RULER and position-loss results in an eval directory, or a `DataError` naming a bad file."""
-    return {task: load_result(eval_dir / name, task) for task, (name, _) in FILES.items()
-            if (eval_dir / name).exists()}
+    """The RULER and position-loss results in an eval directory (plain or published), or a
+    `DataError` naming a bad file."""
+    found = {task: result_file(eval_dir, name) for task, (name, _) in FILES.items()}
+    return {task: load_result(path, task) for task, path in found.items() if path is not None}
 
 
 def _label(prefix: str, scaling: str) -> str:

@@ -1,13 +1,21 @@
 """Evaluation result files: each task's `<run>/eval/<task>.json` (written by `python -m eval`), its
-attention profiles, and CSV tables; read back checked, one error naming the file."""
+attention profiles, and CSV tables; read back checked, one error naming the file.
+
+A published run (docs/results) keeps each result as `<task>.json.gz` (`publish`): the same bytes,
+gzip-compressed, since the raw cases are most of the repository's size. Every reader goes through
+`result_file` and `read_json`, so a run's own `eval/` folder and a published one load alike."""
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+import shutil
+import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,15 +37,54 @@ RESULT_LISTS = {"ppl": "rows", "passkey": "cases", "recall": "cases", "attention
                 "ruler": "cases", "position_loss": "rows"}  # each task's list of results
 
 
+GZ = ".gz"
+
+
+def result_file(folder: Path, name: str) -> Path | None:
+    """`folder/name` or its published form `folder/name.gz`, whichever is there (None: neither); a
+    `DataError` when both are, since either could be the stale one."""
+    found = [p for p in (folder / name, folder / f"{name}{GZ}") if p.is_file()]
+    if len(found) == 2:
+        raise DataError(f"{folder} holds both {name} and {name}{GZ}: keep the one that is current")
+    return found[0] if found else None
+
+
+def read_json(path: Path, fix: str) -> Any:
+    """The JSON in `path` (gzip-decompressed when it ends in .gz), or a `DataError` naming the file,
+    what is wrong with it and `fix`."""
+    try:
+        raw = path.read_bytes()
+        return json.loads(gzip.decompress(raw) if path.suffix == GZ else raw)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); {fix}") from None
+    except UnicodeDecodeError:
+        raise DataError(f"{path} is not a text file; {fix}") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(f"{path} is not a complete gzip file ({e}); {fix}") from None
+
+
+def publish(files: Sequence[Path], dest: Path) -> list[Path]:
+    """Copy `files` into `dest`, each `.json` as `.json.gz` (gzip level 9, no name, mtime 0: the same
+    result gives the same bytes); the written paths. A compressed file replaces a plain one there."""
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for file in files:
+        if file.suffix != ".json":
+            written.append(Path(shutil.copy(file, dest / file.name)))
+            continue
+        out = dest / f"{file.name}{GZ}"
+        tmp = out.with_name(f"{out.name}.tmp")
+        tmp.write_bytes(gzip.compress(file.read_bytes(), compresslevel=9, mtime=0))
+        tmp.replace(out)
+        (dest / file.name).unlink(missing_ok=True)
+        written.append(out)
+    return written
+
+
 def load_result(path: Path, task: str) -> dict:
     """One task's results, or a `DataError` naming the file when it is not what `python -m eval` writes."""
     rerun = f"delete it and rerun `python -m eval` (task={task}) for that run"
-    try:
-        result = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); {rerun}") from None
-    except UnicodeDecodeError:
-        raise DataError(f"{path} is not a text file; {rerun}") from None
+    result = read_json(path, rerun)
     key = RESULT_LISTS[task]
     if not (isinstance(result, dict) and isinstance(result.get("meta"), dict) and "label" in result["meta"]
             and isinstance(result.get(key), list)):
@@ -47,8 +94,9 @@ def load_result(path: Path, task: str) -> dict:
 
 
 def load_results(eval_dir: Path) -> dict[str, dict]:
-    """The task results present in an eval directory, by task name."""
-    return {t: load_result(eval_dir / f"{t}.json", t) for t in TASKS if (eval_dir / f"{t}.json").exists()}
+    """The task results present in an eval directory (plain or published), by task name."""
+    found = {t: result_file(eval_dir, f"{t}.json") for t in TASKS}
+    return {t: load_result(path, t) for t, path in found.items() if path is not None}
 
 
 def save_profiles(path: Path, profiles: dict[str, dict[int, np.ndarray]]) -> Path:

@@ -123,7 +123,7 @@ evaluate_dose() {  # design seed dose: evaluate and publish
   if [ -n "$RESULTS" ]; then
     published="$RESULTS/$(name_of "$design" "$dose" "$seed")"
     mkdir -p "$published"
-    cp "$run_dir"/eval/*.json "$run_dir/config.yaml" "$run_dir/machine.txt" "$published/"
+    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml" "$run_dir/machine.txt"
     python -c 'import json, pathlib, sys
 run = pathlib.Path(sys.argv[1])  # every start of its training (train_seconds: the launcher before 2026-12-04)
 starts = [*run.glob("train_seconds.d/*")] + [run / "train_seconds"] * (run / "train_seconds").is_file()

@@ -116,7 +116,7 @@ one_run() {  # arm seed
   fi
   if [ -n "$published" ]; then
     mkdir -p "$published"
-    cp "$run_dir"/eval/*.json "$run_dir/config.yaml" "$published/"
+    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml"  # JSON gzip-compressed
     touch "$published/DONE"
   fi
 }

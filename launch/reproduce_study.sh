@@ -99,7 +99,7 @@ one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, wh
   fi
   if [ -n "$published" ]; then
     mkdir -p "$published"
-    cp "$run_dir"/eval/*.json "$run_dir/config.yaml" "$published/"
+    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml"  # JSON gzip-compressed
     if [ -f "$run_dir/machine.txt" ]; then cp "$run_dir/machine.txt" "$published/"; fi
     if [ "$TASK" = all ]; then cp "$run_dir"/eval/*.npz "$run_dir/eval/passkey_progress.md" "$published/"; fi
     touch "$published/DONE"

@@ -4,6 +4,7 @@ byte for byte; the launcher's published folders load."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from data.config import DataError
 from eval import dose
 from train.config import compose
 
@@ -203,3 +205,79 @@ def test_reference_runs_take_their_steps_from_their_config_and_pair_by_seed(stud
     assert row["n_wsd"] == 3 and row["n_reference"] == 1 and row["paired_seeds"] == 1
     assert row["difference"] == pytest.approx(np.mean(wsd) - 1.5, abs=1e-12)
     assert row["paired_difference"] == pytest.approx(v[("origin", 100, 2, "none")] - 1.5, abs=1e-12)
+
+
+def _dose(capsys, *argv) -> tuple[int, list[str]]:
+    """`python -m eval.dose` in this process: its exit status and its stderr lines."""
+    code = dose.main([str(a) for a in argv])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture
+def three(study, tmp_path) -> list[Path]:
+    """Copies of three of the study's runs (origin at 400 steps, seeds 1-3), free to spoil."""
+    root, _, _ = study
+    runs = []
+    for seed in (1, 2, 3):
+        run = tmp_path / f"origin_d400_s{seed}"
+        run.mkdir()
+        for file in (root / run.name).iterdir():
+            (run / file.name).write_bytes(file.read_bytes())
+        runs.append(run)
+    return runs
+
+
+def test_a_run_whose_config_is_not_yaml_is_one_line_naming_it(three, tmp_path, capsys):
+    (three[1] / "config.yaml").write_text("model: {attention: origin\nseed: [1, 2\n")
+    code, err = _dose(capsys, *three, "--out", tmp_path / "out")
+    assert code == 1 and len(err) == 1
+    assert err[0].startswith(f"error: {three[1] / 'config.yaml'} is not YAML: ")
+    (three[1] / "config.yaml").write_text("- a list\n- not settings\n")
+    code, err = _dose(capsys, *three, "--out", tmp_path / "out")
+    assert code == 1 and err == [f"error: {three[1] / 'config.yaml'} is not a run's config: not a mapping of settings"]
+
+
+def test_a_run_given_twice_is_refused_by_any_path(three, tmp_path, capsys):
+    a, b, _ = three
+    code, err = _dose(capsys, a, a, b, "--out", tmp_path / "out")
+    assert code == 1 and err == [f"error: run {a} given twice: each run counts once"]
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / a.name).symlink_to(a)
+    for alias in (a.parent / ".." / a.parent.name / a.name, other / a.name):  # another spelling, a link
+        code, err = _dose(capsys, a, b, alias, "--out", tmp_path / "out")
+        assert code == 1 and err == [f"error: run {alias} and {a} are the same folder: each run counts once"]
+    assert _dose(capsys, a, b, "--out", tmp_path / "out")[0] == 0
+
+
+def test_a_truncated_result_names_its_file_and_exits_1(three, tmp_path, capsys):
+    ppl = three[2] / "ppl.json"
+    ppl.write_bytes(ppl.read_bytes()[:-40])
+    code, err = _dose(capsys, *three, "--out", tmp_path / "out")
+    assert code == 1 and len(err) == 1 and err[0].startswith(f"error: {ppl} is not valid JSON (")
+    published = ppl.with_name("ppl.json.gz")  # the published form, cut short in a copy
+    published.write_bytes(gzip.compress(b'{"meta": {"train_len": 256}, "rows": []}', mtime=0)[:-6])
+    ppl.unlink()
+    code, err = _dose(capsys, *three, "--out", tmp_path / "out")
+    assert code == 1 and len(err) == 1 and err[0].startswith(f"error: {published} is not a complete gzip file (")
+
+
+def test_a_published_run_loads_as_its_plain_copy(three, tmp_path):
+    """`eval.publish` writes ppl.json as ppl.json.gz: the same run to the report; republishing gives
+    the same bytes, and a folder holding both forms is refused (either could be stale)."""
+    from eval import publish
+    from eval.results import GZ
+
+    plain = three[0]
+    copies = []
+    for name in ("a", "b"):
+        dest = tmp_path / name / plain.name
+        assert publish.main([str(dest), *(str(p) for p in sorted(plain.iterdir()))]) == 0
+        copies.append(dest)
+    assert sorted(p.name for p in copies[0].iterdir()) == ["config.yaml", "cost.json.gz", "machine.txt", "ppl.json.gz"]
+    assert all((copies[0] / f).read_bytes() == (copies[1] / f).read_bytes() for f in ("ppl.json.gz", "cost.json.gz"))
+    assert gzip.decompress((copies[0] / "ppl.json.gz").read_bytes()) == (plain / "ppl.json").read_bytes()
+    assert dose.load_run(copies[0]) == dose.load_run(plain)
+    (copies[0] / "ppl.json").write_bytes((plain / "ppl.json").read_bytes())
+    with pytest.raises(DataError, match=f"holds both ppl.json and ppl.json{GZ}"):
+        dose.load_run(copies[0])

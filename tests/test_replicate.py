@@ -1,9 +1,10 @@
-"""`python -m eval.replicate`: two evaluations of one run compared case for case."""
+"""`python -m eval.replicate`: two evaluations of one run compared case for case; a published run
+(its results gzip-compressed) against a plain copy, as a retraining's `eval/` holds them."""
 
 from __future__ import annotations
 
+import gzip
 import json
-import shutil
 from pathlib import Path
 
 from eval import replicate
@@ -15,7 +16,7 @@ def _copy(tmp_path: Path) -> Path:
     copy = tmp_path / "copy"
     copy.mkdir()
     for name in ("passkey.json", "ppl.json"):
-        shutil.copy(PUBLISHED / name, copy / name)
+        (copy / name).write_bytes(gzip.decompress((PUBLISHED / f"{name}.gz").read_bytes()))
     return copy
 
 
@@ -53,7 +54,7 @@ def test_perplexity_alone_is_compared_row_by_row(tmp_path, capsys):
     """The perplexity study's runs have no passkey.json: their rows decide, to PPL_AGREEMENT."""
     copy = tmp_path / "copy"
     copy.mkdir()
-    ppl = json.loads((PERPLEXITY / "ppl.json").read_text())
+    ppl = json.loads(gzip.decompress((PERPLEXITY / "ppl.json.gz").read_bytes()))
     (copy / "ppl.json").write_text(json.dumps(ppl))
     assert replicate.main([str(PERPLEXITY), str(copy)]) == 0
     assert f"{len(ppl['rows'])} of {len(ppl['rows'])} rows agree" in capsys.readouterr().out

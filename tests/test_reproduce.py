@@ -7,6 +7,7 @@ in its DRY_RUN mode, the CPU study with a few steps, two seeds and two lengths p
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 import shutil
@@ -145,11 +146,11 @@ def test_perplexity_study_shortened(tmp_path: Path) -> None:
         assert "kind: synthetic" not in cfg  # text only
         assert ("form: strict" in cfg) == (design == "coca_strict")
         assert sorted(p.name for p in (results / run).iterdir()) == [
-            "DONE", "config.yaml", "machine.txt", "ppl.json"]
+            "DONE", "config.yaml", "machine.txt", "ppl.json.gz"]
         machine = (results / run / "machine.txt").read_text().splitlines()  # one line per start
         assert len(machine) == 1 and f"torch {torch.__version__}" in machine[0]
         assert f", code {HEAD}" in machine[0]  # the commit the run's code came from
-        rows = json.loads((results / run / "ppl.json").read_text())["rows"]
+        rows = json.loads(gzip.decompress((results / run / "ppl.json.gz").read_bytes()))["rows"]
         assert {r["scaling"] for r in rows} == ({"none"} if design == "nope" else {"none", "dynamic:8"})
     with open(results / "seeds_family.csv") as f:
         family_rows = list(csv.DictReader(f))
@@ -187,7 +188,7 @@ def test_study_variants_and_continuations(tmp_path: Path) -> None:
         cfg = (tmp_path / f"drope_s{seed}" / "config.yaml").read_text()
         assert "attention: nope" in cfg and "qk_norm: true" in cfg and "kind: synthetic" not in cfg
         assert f"init_from: {tmp_path}/origin_s{seed}" in cfg
-        rows = json.loads((results / f"drope_s{seed}" / "ppl.json").read_text())["rows"]
+        rows = json.loads(gzip.decompress((results / f"drope_s{seed}" / "ppl.json.gz").read_bytes()))["rows"]
         assert {r["scaling"] for r in rows} == {"none"}
     with open(results / "seeds_family.csv") as f:
         family_rows = list(csv.DictReader(f))
@@ -257,7 +258,8 @@ def test_dose_study_shortened(tmp_path: Path) -> None:
     assert sorted(p.name for p in results.glob("*_d*_s*")) == sorted(runs)
     for run in runs:
         published = results / run
-        assert {p.name for p in published.iterdir()} >= {"DONE", "config.yaml", "ppl.json", "machine.txt", "cost.json"}
+        assert {p.name for p in published.iterdir()} >= {"DONE", "config.yaml", "ppl.json.gz", "machine.txt",
+                                                         "cost.json"}
         cfg = (published / "config.yaml").read_text()
         assert "decay: wsd" in cfg and f"max_steps: {run.split('_d')[1].split('_')[0]}" in cfg
         cost = json.loads((published / "cost.json").read_text())

@@ -5,6 +5,7 @@ tests/test_reproduce.py's chains)."""
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 import shutil
@@ -69,7 +70,7 @@ def test_extension_shortened(tmp_path: Path) -> None:
             assert f"init_from: {study}/origin_s{seed}" in cfg and f"max_steps: {choice['budget']}" in cfg
             assert f"max_seq_len: {train_len}" in cfg and f"seed: {100 + seed}" in cfg
             assert ("attention: coca" in cfg) == (arm == "dropin_coca")
-            passkey = json.loads((results / f"{arm}_s{seed}" / "passkey.json").read_text())
+            passkey = json.loads(gzip.decompress((results / f"{arm}_s{seed}" / "passkey.json.gz").read_bytes()))
             assert {c["scaling"] for c in passkey["cases"]} == scalings and passkey["meta"]["seed"] == seed
     assert f"t_init: {choice['t_init']}" in (results / "dropin_coca_s1" / "config.yaml").read_text()
     family_rows = {(r["a"], r["b"]): r for r in csv.DictReader((results / "seeds_family.csv").open())}

@@ -43,7 +43,7 @@ from data.config import DataError, check_dir
 from errors import UserError, exit_code, first_line, one_line, report_error
 from eval import plots, stats
 from eval.aggregate import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, NONE, adjust_family, run_cases
-from eval.results import read_json, result_file, write_csv
+from eval.results import distinct_runs, read_json, result_file, write_csv
 from eval.tables import markdown
 
 if TYPE_CHECKING:
@@ -124,17 +124,6 @@ def _train_config(path: Path) -> TrainConfig:
     except (UserError, OmegaConfBaseException, ValueError, TypeError) as e:
         why = f"not a run's config: {one_line(e)}"
     raise DataError(f"{path} is {why}")
-
-
-def distinct(paths: Sequence[Path], what: str) -> None:
-    """Refuse a folder given twice (also by two paths to it): it would count as two seeds."""
-    seen: dict[Path, Path] = {}
-    for p in paths:
-        first = seen.get(p.resolve())
-        if first is not None:
-            same = "given twice" if str(first) == str(p) else f"and {first} are the same folder"
-            raise DataError(f"{what} {p} {same}: each run counts once")
-        seen[p.resolve()] = p
 
 
 # ----------------------------------------------------------------------------- the family
@@ -474,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_dir(args.out, "--out")
         family = load_family(args.family) if args.family else None
-        distinct([*args.runs, *args.reference], "run")
+        distinct_runs([*args.runs, *args.reference])
         runs = [load_run(p) for p in args.runs]
         designs = {r.design for r in runs}
         reference = [r for r in (load_run(p, REFERENCE_NAME) for p in args.reference) if r.design in designs]

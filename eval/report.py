@@ -22,7 +22,7 @@ from data.config import DataError, check_dir
 from errors import report_error
 from eval import aggregate, long_context_report, plots
 from eval.bar import BAR, PROGRESS_FILE, read_progress
-from eval.results import PROFILES_FILE, load_profiles, load_results, write_csv
+from eval.results import PROFILES_FILE, distinct_runs, load_profiles, load_results, write_csv
 from eval.seeds import render_seeds, seed_groups
 from eval.tables import depth_grid, markdown, passkey_summary, pivot, pivot_markdown, recall_summary
 
@@ -279,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_dir(args.out, "--out")
+        distinct_runs(args.runs)
         written = compare(args.runs, args.out, args.family, args.bar_only)
     except (FileNotFoundError, ValueError) as e:
         return report_error(e, exit_code(e))

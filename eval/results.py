@@ -81,6 +81,19 @@ def publish(files: Sequence[Path], dest: Path) -> list[Path]:
     return written
 
 
+def distinct_runs(paths: Sequence[Path]) -> None:
+    """Refuse a run given twice (also by two paths to one folder, or as a run and its `eval/`): a
+    report would count it as two seeds."""
+    seen: dict[Path, Path] = {}
+    for p in paths:
+        key = (p / "eval" if (p / "eval").is_dir() else p).resolve()
+        first = seen.get(key)
+        if first is not None:
+            same = "given twice" if str(first) == str(p) else f"and {first} are the same run"
+            raise DataError(f"run {p} {same}: each run counts once")
+        seen[key] = p
+
+
 def load_result(path: Path, task: str) -> dict:
     """One task's results, or a `DataError` naming the file when it is not what `python -m eval` writes."""
     rerun = f"delete it and rerun `python -m eval` (task={task}) for that run"

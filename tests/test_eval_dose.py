@@ -246,7 +246,7 @@ def test_a_run_given_twice_is_refused_by_any_path(three, tmp_path, capsys):
     (other / a.name).symlink_to(a)
     for alias in (a.parent / ".." / a.parent.name / a.name, other / a.name):  # another spelling, a link
         code, err = _dose(capsys, a, b, alias, "--out", tmp_path / "out")
-        assert code == 1 and err == [f"error: run {alias} and {a} are the same folder: each run counts once"]
+        assert code == 1 and err == [f"error: run {alias} and {a} are the same run: each run counts once"]
     assert _dose(capsys, a, b, "--out", tmp_path / "out")[0] == 0
 
 

@@ -1,6 +1,8 @@
 """Tables and figures of RULER (`ruler.json`) and the per-position loss (`position_loss.json`), for
 one run (`python -m eval`: `<run>/eval/`) and across runs (`python -m eval.report`): CSV, a
-Markdown file of their own (`long_context.md`, `compare_long_context.md`) and PNG figures.
+Markdown file of their own (`long_context.md`, `compare_long_context.md`) and PNG figures, and
+RULER's summary numbers (`eval.ruler.summary`: the average per length, the effective length) in
+that Markdown and in `ruler_summary.json` (`compare_ruler_summary.json`).
 
 Labels follow `eval.report`: a run's own results are labelled by scaling; across runs by the
 run's design label (with its folder name where two runs share one), then ` + scaling`.
@@ -16,7 +18,8 @@ import numpy as np
 
 from eval import plots
 from eval.position_loss import log_bins
-from eval.results import RESULT_LISTS, load_result, result_file, write_csv
+from eval.results import RESULT_LISTS, load_result, result_file, save_json, write_csv
+from eval.ruler import summary as ruler_summary
 from eval.ruler.score import summary
 from eval.tables import markdown
 
@@ -42,6 +45,7 @@ def _labelled(results: dict[str, dict], prefix: str) -> dict[str, dict]:
         r[key] = [{"label": _label(prefix, x["scaling"]), **x} for x in r[key]]
         if "curves" in r:
             r["curves"] = {_label(prefix, k): v for k, v in r["curves"].items()}
+        r["train_lens"] = {x["label"]: r["meta"].get("train_len") for x in r[key]}
         out[task] = r
     return out
 
@@ -50,9 +54,10 @@ def _merge(parts: Sequence[dict[str, dict]]) -> dict[str, dict]:
     merged: dict[str, dict] = {}
     for results in parts:
         for task, r in results.items():
-            m = merged.setdefault(task, {**r, FILES[task][1]: [], "curves": {}, "notes": []})
+            m = merged.setdefault(task, {**r, FILES[task][1]: [], "curves": {}, "notes": [], "train_lens": {}})
             m[FILES[task][1]] += r[FILES[task][1]]
             m["curves"].update(r.get("curves", {}))
+            m["train_lens"].update(r["train_lens"])
             m["notes"] += r.get("notes", [])
     return merged
 
@@ -65,12 +70,16 @@ def render(results: dict[str, dict], out_dir: Path, stem: str, train_len: int | 
     if "ruler" in results:
         r = results["ruler"]
         rows = summary(r["cases"])
-        md += ruler_markdown(rows, r)
+        summaries = ruler_summary.summarize(rows, r["train_lens"])
+        md += ruler_markdown(rows, r, summaries)
         written["ruler"] = [
             write_csv(out_dir / f"{stem}ruler.csv", rows),
             write_csv(out_dir / f"{stem}ruler_cases.csv",
-                      [{k: (" | ".join(v) if isinstance(v, list) else v) for k, v in c.items()} for c in r["cases"]]),
+                      [{k: (" | ".join(map(str, v)) if isinstance(v, list) else v) for k, v in c.items()}
+                       for c in r["cases"]]),
             plots.save(ruler_figure(rows, train_len, design), out_dir / f"{stem}ruler.png"),
+            save_json(out_dir / f"{stem}ruler_summary.json",
+                      {"threshold": ruler_summary.THRESHOLD, "margin": ruler_summary.MARGIN, "models": summaries}),
         ]
     if "position_loss" in results:
         p = results["position_loss"]
@@ -114,14 +123,13 @@ def compare(run_dirs: Sequence[Path], out_dir: Path) -> tuple[dict[str, list[Pat
 # ----------------------------------------------------------------------------- tables
 
 
-def ruler_markdown(rows: Sequence[dict], result: dict) -> list[str]:
-    """Score per (label, task) and length with its interval, then each label's mean over tasks."""
+def ruler_markdown(rows: Sequence[dict], result: dict, summaries: Sequence[dict]) -> list[str]:
+    """Score per (label, task) and length with its interval, then RULER's summary per label: the
+    average over tasks per length, the 1x average, the bar and the effective length."""
     lengths = sorted({r["length"] for r in rows})
     table: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
-    means: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         table[(r["label"], r["task"])][r["length"]] = f"{r['score']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
-        means[r["label"]][r["length"]].append(r["score"])
     budget = "RULER's per task" if result.get("budget") is None else f"{result['budget']} tokens"
     md = ["## RULER (synthetic tasks)", "",
           f"Score: RULER's string match (`all`: the share of the expected strings the greedy answer holds), "
@@ -130,11 +138,31 @@ def ruler_markdown(rows: Sequence[dict], result: dict) -> list[str]:
           f"{'on' if result.get('fewshot') else 'off'}; essays from {result.get('essay') or '-'}.", "",
           markdown(["model / scaling", "task"] + [plots._k(x) for x in lengths],
                    [[label, task] + [cells.get(x, "") for x in lengths] for (label, task), cells in table.items()]),
-          "", "Mean over the tasks evaluated at each length (how many in brackets):", "",
-          markdown(["model / scaling"] + [plots._k(x) for x in lengths],
-                   [[label] + [f"{np.mean(v[x]):.3f} ({len(v[x])})" if v.get(x) else "" for x in lengths]
-                    for label, v in means.items()]), ""]
+          "", *summary_markdown(summaries, lengths)]
     return md + [f"- {n}" for n in dict.fromkeys(result.get("notes", []))] + [""]
+
+
+def summary_markdown(summaries: Sequence[dict], lengths: Sequence[int]) -> list[str]:
+    """RULER's summary table: the average per length (with its task count), then the effective length."""
+    def effective(s: dict) -> str:
+        if s["effective_length"] is None:
+            return f"< {plots._k(s['lengths'][0]['length'])}"
+        return (">= " if s["effective_length"] == s["longest"] else "") + plots._k(s["effective_length"])
+
+    rows = []
+    for s in summaries:
+        cells = {p["length"]: f"{p['average']:.3f} ({p['tasks']})" for p in s["lengths"]}
+        rows.append([s["label"]] + [cells.get(x, "") for x in lengths]
+                    + [f"{s['base_average']:.3f} at {plots._k(s['base_length'])}", f"{s['bar']:.3f}", effective(s)])
+    mixed = [s["label"] for s in summaries if not s["same_tasks"]]
+    return ["RULER's summary: the average of the task scores at each length (how many tasks in brackets), "
+            "and the effective length, the longest length up to which every average stays at or above the bar: "
+            f"RULER's {ruler_summary.THRESHOLD:.1%} threshold, or the model's own 1x average less "
+            f"{ruler_summary.MARGIN:.2f} where that is higher (RULER's effective length uses the threshold alone; "
+            "its averages are over 13 tasks, QA included).", "",
+            markdown(["model / scaling"] + [plots._k(x) for x in lengths] + ["1x", "bar", "effective length"], rows),
+            ""] + ([f"- Averages over different tasks at different lengths ({', '.join(mixed)}): a task skipped "
+                    "at some lengths moves the average there.", ""] if mixed else [])
 
 
 def position_markdown(result: dict) -> list[str]:

@@ -83,17 +83,74 @@ def test_report_tables_and_figures_across_runs_from_ruler_results_alone(tmp_path
     assert (out / "compare_ruler.png").stat().st_size > 0 and (out / "compare_ruler.csv").read_text().count("\n") == 5
 
 
+def _scored(label: str, train_len: int, scores: dict[int, dict[str, float]], scaling: str = "none") -> dict:
+    """A ruler.json whose cells (task, length) each hold two cases averaging the given score."""
+    cases = [{"scaling": scaling, "task": t, "length": n, "tokens": n - 8, "haystack": 3, "depth": [], "answers": ["x"],
+              "prediction": "x", "score": s} for n, cells in scores.items() for t, v in cells.items()
+             for s in (min(1.0, 2 * v), max(0.0, 2 * v - 1.0))]
+    result = _ruler_result(label, {})
+    result["meta"]["train_len"] = train_len
+    return {**result, "cases": cases}
+
+
+def test_rulers_average_per_length_and_effective_length_in_the_report_and_its_json(tmp_path):
+    """The average over the tasks at each length (with their count), the 1x average (at the training
+    length), the bar max(85.6%, 1x - margin) and the effective length (every length up to it at or
+    above the bar), each worked out here from the cell scores."""
+    from eval.ruler.summary import MARGIN, THRESHOLD
+
+    strong = {256: {"vt": 1.0, "cwe": 0.9, "fwe": 0.95}, 512: {"vt": 0.9, "cwe": 0.85, "fwe": 0.9},
+              1024: {"vt": 0.95, "cwe": 0.95, "fwe": 0.95}, 2048: {"vt": 0.5, "fwe": 0.4}}
+    weak = {128: {"vt": 0.8, "fwe": 0.8}, 256: {"vt": 0.9, "fwe": 0.9}, 512: {"vt": 0.9, "fwe": 0.95}}
+    runs = {"strong_s1": ("strong", 256, strong), "weak_s1": ("weak", 256, weak)}
+    for name, (label, train_len, scores) in runs.items():
+        result_files.save_json(tmp_path / name / "eval" / "ruler.json", _scored(label, train_len, scores))
+    for name in runs:
+        long_context_report.render_run(tmp_path / name / "eval")
+    assert report.main([str(tmp_path / n) for n in runs] + ["--out", str(tmp_path / "cmp")]) == 0
+    for path, (label, train_len, scores) in [(tmp_path / n / "eval" / "ruler_summary.json", runs[n]) for n in runs] + [
+            (tmp_path / "cmp" / "compare_ruler_summary.json", runs["strong_s1"])]:
+        saved = json.loads(path.read_text())
+        assert (saved["threshold"], saved["margin"]) == (THRESHOLD, MARGIN) == (0.856, MARGIN)
+        model = next(m for m in saved["models"] if m["label"] in ("none", label))
+        averages = {n: sum(cells.values()) / len(cells) for n, cells in scores.items()}
+        assert [(p["length"], p["tasks"]) for p in model["lengths"]] == [(n, len(c)) for n, c in scores.items()]
+        np.testing.assert_allclose([p["average"] for p in model["lengths"]], list(averages.values()), atol=1e-12)
+        bar = max(0.856, averages[train_len] - MARGIN)
+        assert model["base_length"] == train_len and model["bar"] == pytest.approx(bar)
+        passing = 0
+        for n in sorted(averages):
+            if averages[n] < bar:
+                break
+            passing = n
+        assert model["effective_length"] == (passing or None)
+    strong_model = json.loads((tmp_path / "strong_s1" / "eval" / "ruler_summary.json").read_text())["models"][0]
+    assert strong_model["effective_length"] == 256  # 512's 0.883 passes RULER's 0.856 but not 0.95 - 0.05
+    weak_model = json.loads((tmp_path / "weak_s1" / "eval" / "ruler_summary.json").read_text())["models"][0]
+    assert weak_model["effective_length"] is None and weak_model["bar"] == 0.856  # 0.9 - 0.05 < 0.856; 128 under it
+    md = (tmp_path / "strong_s1" / "eval" / "long_context.md").read_text()
+    assert "| none | 0.950 (3) | 0.883 (3) | 0.950 (3) | 0.450 (2) | 0.950 at 256 | 0.900 | 256 |" in md
+    assert "- Averages over different tasks at different lengths (none)" in md
+    assert "| weak | 0.800 (2) | 0.900 (2) | 0.925 (2) |  |  | 0.900 at 256 | 0.856 | < 128 |" in (
+        tmp_path / "cmp" / "compare_long_context.md").read_text()
+
+
 @pytest.mark.slow
 def test_ruler_and_position_loss_end_to_end_on_a_trained_run(micro_run, tmp_path, capsys):
     out = tmp_path / "eval"
     code = main([f"run={micro_run}", f"out_dir={out}", "progress=false", "wandb.mode=disabled", "task=ruler",
                  "ruler.tasks=[niah_multikey_2,vt,fwe,niah_single_2]", "ruler.lengths=[700,1400]", "ruler.cases=2",
-                 "ruler.budget=6", "ruler.hops=2", "ruler.fewshot=false", "scalings=[none,dynamic:4]"])
+                 "ruler.budget=24", "ruler.hops=2", "ruler.fewshot=false", "scalings=[none,dynamic:4]"])
     assert code == 0
     result = json.loads((out / "ruler.json").read_text())
     cells = {(c["scaling"], c["task"], c["length"]) for c in result["cases"]}
     assert len(cells) == 2 * 4 * 2 and len(result["cases"]) == 2 * len(cells)
-    assert all(c["tokens"] == c["length"] - 6 and 0 <= c["score"] <= 1 for c in result["cases"])
+    assert all(c["tokens"] == c["length"] - 24 and 0 <= c["score"] <= 1 for c in result["cases"])
+    assert all(len(c["depth"]) == (c["task"].startswith("niah")) for c in result["cases"])
+    summary = json.loads((out / "ruler_summary.json").read_text())
+    assert {m["label"]: [(p["length"], p["tasks"]) for p in m["lengths"]] for m in summary["models"]} == {
+        s: [(700, 4), (1400, 4)] for s in ("none", "dynamic:4")}
+    assert "| 1x | bar | effective length |" in (out / "long_context.md").read_text()
     assert result["meta"]["prompt_stream"] == "eval" and result["essay"] == "stdlib (test)"
     assert main([f"run={micro_run}", f"out_dir={out}", "progress=false", "wandb.mode=disabled",
                  "task=position_loss", "position_loss.length=256", "position_loss.n_docs=2"]) == 0
@@ -108,6 +165,8 @@ def test_ruler_and_position_loss_end_to_end_on_a_trained_run(micro_run, tmp_path
     base = [f"run={micro_run}", f"out_dir={tmp_path / 'bad'}", "task=ruler"]
     check_one_line_error(capsys, [*base, "ruler.tasks=[vt]", "ruler.lengths=[100]"],
                          "ruler.lengths: vt at length 100: its prompt without haystack")
+    check_one_line_error(capsys, [*base, "ruler.tasks=[vt]", "ruler.lengths=[1400]", "ruler.budget=2"],
+                         "ruler.budget=2 is shorter than vt's answers at length 1400")
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("A short essay. It has few words.")
     check_one_line_error(capsys, [*base, "ruler.tasks=[niah_single_2]", "ruler.lengths=[2000]",
@@ -129,9 +188,9 @@ def test_ruler_on_a_llama3_directory_and_on_an_export_in_one_command(tmp_path):
     for directory in (source, export):
         out = tmp_path / f"eval_{directory.name}"
         _run("-m", "eval", f"run={directory}", f"out_dir={out}", "task=ruler", "ruler.tasks=[niah_single_1,vt]",
-             "ruler.lengths=[768]", "ruler.cases=2", "ruler.budget=4", "scalings=[none,dynamic:2]",
+             "ruler.lengths=[768]", "ruler.cases=2", "ruler.budget=24", "scalings=[none,dynamic:2]",
              "progress=false", "wandb.mode=disabled")
         result = json.loads((out / "ruler.json").read_text())
         assert result["meta"]["trained_scaling"] == "llama3:4" and result["meta"]["run"] == str(directory)
         assert {c["scaling"] for c in result["cases"]} == {"none", "dynamic:2"} and len(result["cases"]) == 8
-        assert all(c["tokens"] == 764 for c in result["cases"])
+        assert all(c["tokens"] == 768 - 24 for c in result["cases"])

@@ -171,7 +171,7 @@ def native(m: ModelConfig) -> bool:
     """Whether the model exports as its architecture's own HF class (Origin without the length
     temperature, sinks, SSMax or QK-norm, which transformers' GPT-NeoX and Llama classes cannot
     express), else as the remote-code model."""
-    return m.design.native_hf and not (m.length_temperature or m.sinks or m.ssmax or m.qk_norm)
+    return m.design.native_hf and not (m.length_temperature or m.sinks or m.ssmax or m.qk_norm or m.mup)
 
 
 def _residual_and_norm(m: ModelConfig) -> dict:
@@ -189,7 +189,8 @@ def _remote_config(m: ModelConfig, config: dict) -> dict:
     return {"architectures": ["CocaLMForCausalLM"], "model_type": "coca_lm", "arch": m.arch,
             "attention": m.attention, "design_params": params,
             "length_temperature": m.max_seq_len if m.length_temperature else 0, "sinks": m.sinks, "ssmax": m.ssmax,
-            "qk_norm": m.qk_norm, **config, **_residual_and_norm(m),
+            "qk_norm": m.qk_norm, **({"mup_base_width": m.mup_base_width} if m.mup else {}), **config,
+            **_residual_and_norm(m),
             "auto_map": {"AutoConfig": "modeling_coca_lm.CocaLMConfig",
                          "AutoModelForCausalLM": "modeling_coca_lm.CocaLMForCausalLM"}}
 

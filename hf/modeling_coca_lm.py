@@ -65,7 +65,8 @@ class CocaLMConfig(PreTrainedConfig):
     length_temperature: the training length L0 of the length temperature, 0 when off (query i's
     scores times max(1, log(i + 1) / log(L0))); sinks: a learned logit per head in each softmax's
     denominator; ssmax: query i's scores times s_h log(i + 1); qk_norm: RMSNorm of q and k (each
-    over all its heads' channels, a learned scale per channel) before the design's transform.
+    over all its heads' channels, a learned scale per channel) before the design's transform;
+    mup_base_width: muP's base width (0: off), whose output multiplier and 1/d attention the model applies.
     max_position_embeddings is the training length L0, which dynamic NTK scales from.
     rope_parameters (designs with RoPE only): rope_type default | linear | dynamic | yarn | llama3,
     rope_theta, partial_rotary_factor, factor, for yarn beta_fast and beta_slow, for llama3
@@ -96,10 +97,11 @@ class CocaLMConfig(PreTrainedConfig):
         sinks: bool = False,
         ssmax: bool = False,
         qk_norm: bool = False,
+        mup_base_width: int = 0,
         **kwargs,
     ):
         design = design_of(attention, {attention: design_params or {}})
-        if design.native_hf and not (length_temperature or sinks or ssmax or qk_norm):
+        if design.native_hf and not (length_temperature or sinks or ssmax or qk_norm or mup_base_width):
             raise ValueError(f"attention={attention!r} exports as its architecture's own class, not coca_lm")
         if design_params and design.params is None:
             raise ValueError(f"design_params={design_params}: attention={attention!r} has no parameters")
@@ -123,6 +125,7 @@ class CocaLMConfig(PreTrainedConfig):
             design.params(**self.design_params)  # checks the values, naming the field
         self.length_temperature = length_temperature
         self.sinks, self.ssmax, self.qk_norm = sinks, ssmax, qk_norm
+        self.mup_base_width = mup_base_width  # muP's base width (0: standard; `model.mup`)
         self.use_cache = use_cache
         self.rope_parameters = dict(rope_parameters or UNSCALED)
         check_rope_parameters(self)

@@ -185,7 +185,8 @@ def _design(config: dict, model_type: str) -> tuple[str, dict[str, Any], int]:
     l0 = config.get("length_temperature") or 0  # L0 (a bool in no export; true reads as max_position_embeddings)
     fields = dict(design_params={attention: params} if params else {}, length_temperature=bool(l0),
                   sinks=bool(config.get("sinks")), ssmax=bool(config.get("ssmax")),
-                  qk_norm=bool(config.get("qk_norm")))
+                  qk_norm=bool(config.get("qk_norm")),
+                  **({"mup": True, "mup_base_width": config["mup_base_width"]} if config.get("mup_base_width") else {}))
     return attention, fields, l0 if isinstance(l0, int) and not isinstance(l0, bool) else 0
 
 

@@ -115,3 +115,36 @@ def test_mup_coord_check_muon_is_flat_and_standard_grows():
     for optimizer in ("adamw", "muon"):
         standard = _spreads(coordinates(mup=False, optimizer=optimizer, seeds=1))
         assert standard["block 1"][1] > 1.5 * BOUND, standard
+
+
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["neox", "llama"])
+@pytest.mark.parametrize("attention", ["origin", "coca"])
+def test_mup_hf_export_computes_our_logits_in_transformers(attention, arch, tmp_path):
+    """A muP model (m = 4, weights moved off init so the multipliers matter) exports as the remote-code
+    model, whose config carries the base width; transformers' AutoModelForCausalLM runs the shipped
+    code and gives our logits (1e-5), which differ from the same weights without muP."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from data.tokenizer import config_from_overrides, get_tokenizer
+    from hf.export import export_hf
+
+    tokenizer = get_tokenizer(config_from_overrides([f"cache_dir={tmp_path / 'cache'}", "tokenizer.sample_docs=60"],
+                                                    512))
+    torch.manual_seed(0)
+    model = GPT(_cfg(128, vocab_size=tokenizer.vocab_size, attention=attention, **arch)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    out = export_hf(model, tokenizer, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["mup_base_width"] == 32
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    assert type(hf).__name__ == "CocaLMForCausalLM"
+    idx = torch.randint(4, tokenizer.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx)
+        torch.testing.assert_close(hf(idx).logits, ours, rtol=0, atol=1e-5)
+        plain = GPT(_cfg(128, vocab_size=tokenizer.vocab_size, attention=attention, mup=False, **arch)).eval()
+        plain.load_state_dict(model.state_dict())
+        assert (plain(idx) - ours).abs().max() > 1e-2  # without the multipliers the logits differ

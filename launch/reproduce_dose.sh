@@ -32,21 +32,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 FAMILY=${FAMILY:-}
-family() {  # key default: the pre-registration's value (lists space separated), else the default
-  if [ -z "$FAMILY" ]; then echo "$2"; return; fi
-  python -c 'import sys, yaml
-value = yaml.safe_load(open(sys.argv[1])).get(sys.argv[2])
-if isinstance(value, dict):
-    value = list(value)
-print(sys.argv[3] if value is None else " ".join(map(str, value)) if isinstance(value, list) else value)' \
-    "$FAMILY" "$1" "$2"
-}
 RUNS=${RUNS:-runs/dose}
-DOSES=${DOSES:-$(family doses "750 1500 3000")}
-FRACTION=${FRACTION:-$(family decay_fraction 0.2)}
-DESIGNS=${DESIGNS:-$(family seeds "origin coca")}
-TOP_ONLY=${TOP_ONLY:-$(family top_only "")}
-SEEDS=${SEEDS:-}
 JOBS=${JOBS:-2}
 RESULTS=${RESULTS:-}
 REFERENCE=${REFERENCE:-}
@@ -54,31 +40,19 @@ LENGTH=${LENGTH:-4096}
 TRAIN=${TRAIN:-}
 EVAL=${EVAL:-"ppl.lengths=[256,512,1024,2048,4096,8192] ppl.stride=2048 ppl.n_docs=20"}
 SCALINGS="[none,dynamic:8]"
+# Every setting checked before anything trains (one `error:` line, exit 2; a bad FAMILY file, 1): the
+# doses sorted, where each one's decay starts (its next dose branches from that checkpoint), the
+# checkpoint interval that lands on every such step, enough kept checkpoints to keep them all, and
+# each design's seeds (SEEDS, else the family file's count): launch/dose_plan.py.
+# shellcheck source=launch/study_lib.sh
+source launch/study_lib.sh  # training_args, scalings_of, machine, whole_number, cause_of
+whole_number JOBS "$JOBS"
+whole_number LENGTH "$LENGTH"
+settings=$(FAMILY="$FAMILY" python launch/dose_plan.py) || exit $?
+eval "$settings"
 export PRESET=study_ppl SCALINGS
 mkdir -p "$RUNS/logs"
 if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
-# shellcheck source=launch/study_lib.sh
-source launch/study_lib.sh  # training_args, scalings_of, machine
-
-read -r -a DOSES <<< "$(printf '%s\n' $DOSES | sort -n | tr '\n' ' ')"
-TOP=${DOSES[-1]}
-# Where each dose's decay starts (its next dose branches from that checkpoint), the checkpoint
-# interval that lands on every such step, and enough kept checkpoints to keep them all.
-read -r -a STARTS <<< "$(python -c 'import math, sys
-from train.config import OptimConfig, wsd_decay_start
-optim = OptimConfig(decay="wsd", decay_fraction=float(sys.argv[1]))
-print(*(wsd_decay_start(optim, int(d)) for d in sys.argv[2:]))' "$FRACTION" "${DOSES[@]}")"
-EVERY=$(python -c 'import math, sys; print(math.gcd(*map(int, sys.argv[1:])))' "${STARTS[@]:0:${#STARTS[@]}-1}" "$TOP")
-KEEP=$((TOP / EVERY + 1))
-
-seeds_of() {  # design: $SEEDS, else 1 .. its pre-registered number of seeds
-  if [ -n "$SEEDS" ]; then echo "$SEEDS"; return; fi
-  if [ -z "$FAMILY" ]; then echo "error: set SEEDS (or FAMILY)" >&2; return 2; fi
-  python -c 'import sys, yaml
-n = yaml.safe_load(open(sys.argv[1]))["seeds"].get(sys.argv[2])
-sys.exit(f"error: design {sys.argv[2]} has no seeds in {sys.argv[1]}") if n is None else print(*range(1, n + 1))' \
-    "$FAMILY" "$1"
-}
 
 doses_of() {  # design: the indices of its doses (the top alone for a top_only design)
   if [[ " $TOP_ONLY " == *" $1 "* ]]; then echo $((${#DOSES[@]} - 1)); else seq 0 $((${#DOSES[@]} - 1)); fi
@@ -154,7 +128,7 @@ plan=()  # seed by seed, so that every design has its first seeds published earl
 for seed_rank in $(seq 1 1000); do
   found=0
   for design in $DESIGNS; do
-    read -r -a seeds <<< "$(seeds_of "$design")" || exit 2
+    read -r -a seeds <<< "${SEEDS_OF[$design]}"
     if [ "$seed_rank" -le "${#seeds[@]}" ]; then plan+=("$design ${seeds[$seed_rank - 1]}"); found=1; fi
   done
   if [ "$found" = 0 ]; then break; fi
@@ -170,19 +144,22 @@ done
 wait
 
 runs=()
-failed=0
+failed=""  # the first unfinished chain's design, seed and the line that says why
 for item in "${plan[@]}"; do
   read -r design seed <<< "$item"
   for i in $(doses_of "$design"); do
     name=$(name_of "$design" "${DOSES[$i]}" "$seed")
     if published "$design" "${DOSES[$i]}" "$seed"; then runs+=("$RESULTS/$name")
     elif [ -f "$RUNS/$name/eval/DONE" ]; then runs+=("$RUNS/$name")
-    else failed=1; fi
+    elif [ -z "$failed" ]; then failed="$name did not finish: $(cause_of "$RUNS/logs/${design}_s$seed.log")"; fi
   done
 done
-report=${RESULTS:-$RUNS/report}
-echo "== report -> $report"
-# shellcheck disable=SC2086  # REFERENCE is a list of folders
-python -m eval.dose "${runs[@]}" ${FAMILY:+--family "$FAMILY"} ${REFERENCE:+--reference $REFERENCE} --length "$LENGTH" \
-  --out "$report"
-exit $failed
+if [ "${#runs[@]}" -gt 0 ]; then
+  report=${RESULTS:-$RUNS/report}
+  echo "== report -> $report"
+  # shellcheck disable=SC2086  # REFERENCE is a list of folders
+  python -m eval.dose "${runs[@]}" ${FAMILY:+--family "$FAMILY"} ${REFERENCE:+--reference $REFERENCE} \
+    --length "$LENGTH" --out "$report" || status=$?
+fi
+if [ -n "$failed" ]; then echo "error: $failed" >&2; exit 1; fi  # the cause, last
+exit "${status:-0}"

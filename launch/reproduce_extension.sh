@@ -42,6 +42,10 @@ OUT=${RESULTS:-$RUNS/report}
 EVAL=${EVAL:-"ppl.stride=2048 ppl.n_docs=20 passkey.n_cases=100"}
 SHORT=${SHORT:-"[256,512,1024,2048,4096,8192]"}  # the 256-token arms: 1x .. 32x
 LONG=${LONG:-"[1024,2048,4096,8192]"}            # the 1024-token arms: 1x .. 8x
+# shellcheck source=launch/study_lib.sh
+source launch/study_lib.sh  # whole_number, cause_of
+whole_number JOBS "$JOBS"
+for seed in $SEEDS; do whole_number SEEDS "$seed"; done
 mkdir -p "$RUNS/logs" "$OUT"
 if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
 read -r PILOT_STEPS PILOT_EVERY < <(python -c 'import sys, yaml
@@ -90,6 +94,13 @@ if [ ! -f "$OUT/pilot.json" ]; then
         || echo "== FAILED: pilot $name (see $RUNS/logs/pilot_$name.log)" ) &
   done
   wait
+  for item in "${pilots[@]}"; do  # the budget needs every pilot: else the first failure's cause, last
+    read -r name _ <<< "$item"
+    if [ ! -f "$RUNS/pilot/$name/DONE" ]; then
+      echo "error: pilot $name did not finish: $(cause_of "$RUNS/logs/pilot_$name.log")" >&2
+      exit 1
+    fi
+  done
   python -m eval.budget "$RUNS/pilot" --out "$OUT" --family "$FAMILY"
 fi
 read -r BUDGET T_INIT < <(python -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["budget"], c["t_init"])' "$OUT/pilot.json")
@@ -134,18 +145,24 @@ wait
 
 # 3. The seed report: the family's runs beside the study's from-scratch Origin and CoCA.
 runs=()
-failed=0
+failed=""  # the first unfinished run (or missing study run) and the line that says why
 for seed in $SEEDS; do
   for arm in $ARMS; do
     if [ -n "$RESULTS" ] && [ -f "$RESULTS/${arm}_s$seed/DONE" ]; then runs+=("$RESULTS/${arm}_s$seed")
     elif [ -f "$RUNS/${arm}_s$seed/eval/DONE" ]; then runs+=("$RUNS/${arm}_s$seed")
-    else failed=1; fi
+    elif [ -z "$failed" ]; then failed="${arm}_s$seed did not finish: $(cause_of "$RUNS/logs/${arm}_s$seed.log")"; fi
   done
   for design in origin coca; do
     if [ -f "$STUDY_RESULTS/${design}_s$seed/DONE" ]; then runs+=("$STUDY_RESULTS/${design}_s$seed")
-    else echo "== missing from the study: $STUDY_RESULTS/${design}_s$seed"; failed=1; fi
+    else
+      echo "== missing from the study: $STUDY_RESULTS/${design}_s$seed"
+      if [ -z "$failed" ]; then failed="$STUDY_RESULTS/${design}_s$seed is not published (the study's runs compared)"; fi
+    fi
   done
 done
-echo "== report -> $OUT"
-python -m eval.report "${runs[@]}" --family "$FAMILY" --out "$OUT"
-exit $failed
+if [ "${#runs[@]}" -gt 0 ]; then
+  echo "== report -> $OUT"
+  python -m eval.report "${runs[@]}" --family "$FAMILY" --out "$OUT" || status=$?
+fi
+if [ -n "$failed" ]; then echo "error: $failed" >&2; exit 1; fi  # the cause, last
+exit "${status:-0}"

@@ -33,6 +33,9 @@ if [ "$DRY_RUN" = 1 ]; then
               attention.length=128 attention.scalings=[none,dynamic:4] wandb.mode=disabled progress=false)
 else
   if [ -z "${NGPU:-}" ]; then NGPU=$(python -c "import torch; print(torch.cuda.device_count())"); fi
+  # shellcheck source=launch/study_lib.sh
+  source launch/study_lib.sh  # whole_number
+  whole_number NGPU "$NGPU"
   if [ "${SLURM:-0}" = 1 ]; then
     train_cmd=(sbatch --wait launch/slurm.sbatch)  # passes resume=auto itself
     train_extra=()

@@ -52,11 +52,12 @@ passkey.lengths=[256,512,1024,2048,4096,8192] passkey.n_cases=100 \
 recall.lengths=[256,512,1024] recall.n_cases=20"}
 SCALINGS=${SCALINGS:-"[none,dynamic:8]"}
 if [ "${1:-}" = --print-eval ]; then printf '%s\n' "$EVAL" "$SCALINGS"; exit 0; fi
+# shellcheck source=launch/study_lib.sh
+source launch/study_lib.sh  # training_args, scalings_of, machine, whole_number, cause_of
+whole_number JOBS "$JOBS"
+if [ -n "${STEPS:-}" ]; then whole_number STEPS "$STEPS"; fi
 mkdir -p "$RUNS/logs"
 if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
-
-# shellcheck source=launch/study_lib.sh
-source launch/study_lib.sh  # training_args, scalings_of, machine
 
 published_run() {  # design seed: the folder of its published run (RESULTS, then PUBLISHED), or nothing
   local folder
@@ -136,19 +137,22 @@ done
 wait
 
 runs=()
-failed=0
+failed=""  # the first unfinished run and the line that says why
 for item in "${plan[@]}"; do
   read -r design seed <<< "$item"
   published=$(published_run "$design" "$seed")
   if [ -n "$published" ]; then runs+=("$published")
   elif [ -f "$RUNS/${design}_s$seed/eval/DONE" ]; then runs+=("$RUNS/${design}_s$seed")
-  else failed=1; fi
+  elif [ -z "$failed" ]; then failed="${design}_s$seed did not finish: $(cause_of "$RUNS/logs/${design}_s$seed.log")"; fi
 done
-report=${RESULTS:-$RUNS/report}
-echo "== report -> $report"
-python -m eval.report "${runs[@]}" --family "$FAMILY" --out "$report"
-if [ "$TASK" = all ]; then
-  echo "== the report on the runs past the training bar (exploratory) -> $report/bar_only"
-  python -m eval.report "${runs[@]}" --family "$FAMILY" --bar-only --out "$report/bar_only"
+if [ "${#runs[@]}" -gt 0 ]; then
+  report=${RESULTS:-$RUNS/report}
+  echo "== report -> $report"
+  python -m eval.report "${runs[@]}" --family "$FAMILY" --out "$report" || status=$?
+  if [ "$TASK" = all ]; then
+    echo "== the report on the runs past the training bar (exploratory) -> $report/bar_only"
+    python -m eval.report "${runs[@]}" --family "$FAMILY" --bar-only --out "$report/bar_only" || status=$?
+  fi
 fi
-exit $failed
+if [ -n "$failed" ]; then echo "error: $failed" >&2; exit 1; fi  # the cause, last
+exit "${status:-0}"

@@ -3,7 +3,9 @@
 # a registry key or a variant of the family file (launch/study_design.py says how both are read).
 # training_args reads FAMILY, PRESET (study: conf/experiment/study_<design>.yaml where it exists, else
 # study_origin with the design's settings; any other preset with the design's settings);
-# scalings_of reads FAMILY and SCALINGS; source_of reads FAMILY.
+# scalings_of reads FAMILY and SCALINGS; source_of reads FAMILY. whole_number checks a launcher's count
+# settings (JOBS: `wait -n` never returns with JOBS=0) before anything starts; cause_of finds why a
+# run failed in its log, the line a launcher ends with.
 
 training_args() {  # design: the experiment and the design's settings, one argument per line
   python launch/study_design.py args "${FAMILY:-}" "$PRESET" "$1"
@@ -26,4 +28,19 @@ machine() {  # one line per training start (fp32 training differs by CPU), with 
     code="$code with uncommitted changes"
   fi
   echo "$(date -u +%FT%TZ) ${cpu:-unknown CPU} (${isa% }; $(nproc --all) cores, $(nproc) threads), torch $(python -c 'import torch; print(torch.__version__)'), code $code"
+}
+
+whole_number() {  # NAME VALUE: a whole number >= 1, else one `error:` line and exit 2 (sourced: the launcher exits)
+  if ! [[ "$2" =~ ^[0-9]+$ ]] || (( 10#$2 < 1 )); then
+    echo "error: $1=$2 is not a whole number >= 1" >&2
+    exit 2
+  fi
+}
+
+cause_of() {  # log: the line that says why its run failed (its last `error:` line's cause, else its last line)
+  local line
+  line=$(grep -a "error: " "$1" 2>/dev/null | tail -n 1 || true)
+  line=${line#*error: }
+  if [ -z "$line" ]; then line=$(grep -a -v "^[[:space:]]*$" "$1" 2>/dev/null | tail -n 1 || true); fi
+  echo "${line:-its log $1 is empty} (log: $1)"
 }

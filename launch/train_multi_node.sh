@@ -21,10 +21,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# shellcheck source=launch/study_lib.sh
+source launch/study_lib.sh  # whole_number
 NNODES=${NNODES:-1}
+whole_number NNODES "$NNODES"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
+whole_number NPROC_PER_NODE "$NPROC_PER_NODE"
 if (( NNODES > 1 )); then
   : "${MASTER_ADDR:?MASTER_ADDR (the address of node 0) is required when NNODES > 1}"
   rendezvous=(--nnodes "$NNODES" --node_rank "${NODE_RANK:-0}" --rdzv_backend c10d

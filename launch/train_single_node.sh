@@ -7,4 +7,7 @@
 # 128 + signal (see there). A stopped run continues with the same command plus resume=auto.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=launch/study_lib.sh
+source launch/study_lib.sh  # whole_number
+if [[ -n "${NUM_GPUS:-}" ]]; then whole_number NUM_GPUS "$NUM_GPUS"; fi
 NPROC_PER_NODE=${NUM_GPUS:-${NPROC_PER_NODE:-}} NNODES=1 exec launch/train_multi_node.sh "$@"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 
 from errors import EXIT_INPUT, EXIT_USAGE, ConfigError, exit_code
 from model import GPT, ModelConfig
+from run_checks import clean_env
 from train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,3 +261,107 @@ def test_eval_of_a_directory_whose_tokenizer_outgrows_its_model_is_one_line(tok,
     _one_line(code, capsys.readouterr().err, EXIT_INPUT, f"the tokenizer {small / 'tokenizer.model'} has "
               f"{tok.vocab_size} tokens, more than the model's vocab_size={tok.vocab_size - 12}")
     assert not (tmp_path / "eval").exists()
+
+
+# --- the launchers: every setting checked before anything trains; a failure ends with its cause ------
+def _launch(script: str, runs: Path, *args: str, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
+    """A launcher under a time limit (a hang fails the test instead of stalling it)."""
+    return subprocess.run(["bash", f"launch/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=clean_env(RUNS=str(runs), WANDB_MODE="disabled", **env))
+
+
+def _refused(done: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _family_files(tmp: Path) -> None:
+    (tmp / "bad.yaml").write_text("doses: [10, 20\nseeds: {origin: 1}\n")
+    (tmp / "list.yaml").write_text("- 10\n- 20\n")
+    (tmp / "noseeds.yaml").write_text("doses: [10, 20]\nseeds: {origin: 2}\ntop_only: [alibi]\ndecay_fraction: 0.2\n")
+
+
+@pytest.mark.parametrize("env, code, needles", [
+    ({"FAMILY": "{tmp}/missing.yaml"}, EXIT_INPUT, ["FAMILY={tmp}/missing.yaml", "No such file"]),
+    ({"FAMILY": "{tmp}/bad.yaml"}, EXIT_INPUT, ["FAMILY={tmp}/bad.yaml is not YAML (line 2)"]),
+    ({"DOSES": "abc", "SEEDS": "1"}, EXIT_USAGE, ["DOSES='abc': 'abc' is not a whole number >= 1"]),
+    ({"FRACTION": "2", "SEEDS": "1"}, EXIT_USAGE, ["FRACTION=2: optim.decay_fraction=2.0 must be in (0, 1]"]),
+    ({"LENGTH": "4k", "SEEDS": "1"}, EXIT_USAGE, ["LENGTH=4k is not a whole number >= 1"]),
+])
+def test_the_dose_launcher_checks_its_settings_before_training(env, code, needles, tmp_path):
+    """Tracebacks from its inline snippets before (FAMILY, DOSES), or training on after the error (FRACTION=2)."""
+    _family_files(tmp_path)
+    given = {key: value.format(tmp=tmp_path) for key, value in env.items()}
+    done = _launch("reproduce_dose.sh", tmp_path / "runs", **given)
+    _refused(done, code, *(needle.format(tmp=tmp_path) for needle in needles))
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("env, code, needle", [
+    ({"FAMILY": "{tmp}/list.yaml"}, EXIT_INPUT, "is not a YAML mapping"),
+    ({"DOSES": "10 10", "SEEDS": "1"}, EXIT_USAGE, "names a dose twice"),
+    ({"FRACTION": "x", "SEEDS": "1"}, EXIT_USAGE, "FRACTION=x: not a number"),
+    ({"DOSES": "10", "FRACTION": "0.05", "SEEDS": "1"}, EXIT_USAGE, "gives 0 decay steps"),
+    ({"SEEDS": "1 two"}, EXIT_USAGE, "'two' is not a whole number"),
+    ({}, EXIT_USAGE, "set SEEDS (or FAMILY"),
+    ({"DESIGNS": "nosuch", "SEEDS": "1"}, EXIT_USAGE, "DESIGNS: unknown design nosuch"),
+    ({"FAMILY": "{tmp}/noseeds.yaml", "DESIGNS": "origin alibi"}, EXIT_USAGE, "design alibi has no number of seeds"),
+])
+def test_the_dose_plan_refuses_each_bad_setting(env, code, needle, tmp_path, monkeypatch):
+    """launch/dose_plan.py, which the launcher runs first, in this process."""
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from dose_plan import PlanError, plan
+
+    _family_files(tmp_path)
+    with pytest.raises(PlanError) as refused:
+        plan({key: value.format(tmp=tmp_path) for key, value in env.items()})
+    assert refused.value.code == code and needle in str(refused.value), str(refused.value)
+
+
+def test_the_dose_plan_of_the_family_file(monkeypatch):
+    """The pre-registered plan: doses 750, 1500, 3000 branching where the lower doses' decays start
+    (600, 1200), a checkpoint every 600 steps, all six of the top dose's kept; seeds from the file."""
+    monkeypatch.syspath_prepend(str(ROOT / "launch"))
+    from dose_plan import plan
+
+    lines = plan({"FAMILY": str(ROOT / "conf" / "study" / "dose.yaml")})
+    assert lines[:5] == ["DOSES=(750 1500 3000)", "STARTS=(600 1200 2400)", "EVERY=600", "KEEP=6", "FRACTION=0.2"]
+    assert "SEEDS_OF[alibi]='1 2 3 4'" in lines and "SEEDS_OF[origin]='1 2 3 4 5 6 7 8 9 10'" in lines
+
+
+@pytest.mark.parametrize("script", ["reproduce_dose.sh", "reproduce_study.sh", "reproduce_designs.sh",
+                                    "reproduce_perplexity.sh", "reproduce_extension.sh"])
+@pytest.mark.parametrize("jobs", ["0", "1.5"])
+def test_every_launcher_refuses_a_job_count_below_one_at_once(script, jobs, tmp_path):
+    """JOBS=0 spun forever in `wait -n`."""
+    done = _launch(script, tmp_path / "runs", timeout=60, JOBS=jobs, SEEDS="1")
+    _refused(done, EXIT_USAGE, f"JOBS={jobs} is not a whole number >= 1")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script, env", [("train_multi_node.sh", {"NNODES": "0"}),
+                                         ("train_multi_node.sh", {"NPROC_PER_NODE": "x"}),
+                                         ("train_single_node.sh", {"NUM_GPUS": "0"}),
+                                         ("reproduce_paper.sh", {"NGPU": "-2"})])
+def test_the_training_launchers_refuse_a_count_below_one(script, env, tmp_path):
+    done = _launch(script, tmp_path / "runs", timeout=60, **env)
+    (name, value), = env.items()
+    _refused(done, EXIT_USAGE, f"{name}={value} is not a whole number >= 1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args, env, unfinished", [
+    ("reproduce_dose.sh", [], {"DESIGNS": "origin", "SEEDS": "1", "DOSES": "4 8", "TRAIN": "model.bogus=1"},
+     "origin_d4_s1"),
+    ("reproduce_study.sh", ["model.bogus=1"], {"DESIGNS": "origin", "SEEDS": "1", "TEXT_ONLY": "0"}, "origin_s1"),
+])
+def test_a_launcher_whose_runs_all_fail_ends_with_the_cause(script, args, env, unfinished, tmp_path):
+    """It ended with eval.dose's `the following arguments are required: runs` (no run had finished)."""
+    done = _launch(script, tmp_path / "runs", *args, timeout=600, JOBS="1", **env)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert last.startswith(f"error: {unfinished} did not finish: model.bogus: Key 'bogus' not in"), last
+    assert "the following arguments are required" not in done.stderr + done.stdout

@@ -188,9 +188,9 @@ def test_ruler_on_a_llama3_directory_and_on_an_export_in_one_command(tmp_path):
     for directory in (source, export):
         out = tmp_path / f"eval_{directory.name}"
         _run("-m", "eval", f"run={directory}", f"out_dir={out}", "task=ruler", "ruler.tasks=[niah_single_1,vt]",
-             "ruler.lengths=[768]", "ruler.cases=2", "ruler.budget=24", "scalings=[none,dynamic:2]",
+             "ruler.lengths=[768]", "ruler.cases=2", "ruler.budget=32", "scalings=[none,dynamic:2]",
              "progress=false", "wandb.mode=disabled")
         result = json.loads((out / "ruler.json").read_text())
         assert result["meta"]["trained_scaling"] == "llama3:4" and result["meta"]["run"] == str(directory)
         assert {c["scaling"] for c in result["cases"]} == {"none", "dynamic:2"} and len(result["cases"]) == 8
-        assert all(c["tokens"] == 768 - 24 for c in result["cases"])
+        assert all(c["tokens"] == 768 - 32 for c in result["cases"])

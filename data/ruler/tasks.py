@@ -138,8 +138,8 @@ class RulerCase:
     """One prompt: `tokens` (exactly `length - budget` ids), what a right answer must contain
     (`answers`, RULER's `outputs`), `continuation` (a right answer's text, for training rows and
     the oracle), `haystack`, the haystack units in the context (an essay's: words), and `depths`
-    (NIAH), where each answer's needle sits: the share of the context's haystack tokens (needles
-    left out) before it, in percent."""
+    (NIAH), where each answer's needle sits: the share of the context's other tokens (the answers'
+    needles left out) before it, in percent."""
 
     task: str
     length: int
@@ -287,7 +287,7 @@ def _at_depths(enc: Encoder, units: list[str], inserts: Sequence[str], depths: S
 def _needle_depths(enc: Encoder, pieces: Sequence[str], context: int, sep: str,
                    needles: Sequence[str]) -> tuple[float, ...]:
     """Where each of `needles` sits in a context of `context` tokens that starts with `pieces`: the
-    share of its haystack tokens (every token not in a needle) before it, in percent."""
+    share of the context's other tokens (every token not in one of `needles`) before it, in percent."""
     sizes = _sizes(enc, pieces, sep)
     wanted = set(needles)
     where = {p: i for i, p in enumerate(pieces) if p in wanted}

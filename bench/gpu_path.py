@@ -8,8 +8,13 @@
 the code it runs on a GPU (FlexAttention with block masks and score modifications, SDPA, the
 chunked bias path) on the CPU. `CudaOpCheck` records every aten op that code dispatches and names
 each one that has no CUDA kernel: what would crash on a GPU (the CPU flash kernel called directly,
-a CPU tile). The sweep runs every design x {plain, documents} x {fp32, bf16 autocast} x {training
-step (forward + backward), KV-cache generation, evaluation forward} and prints one row per case.
+a CPU tile). The sweep runs every design x {plain, documents} x {fp32, bf16 autocast, bf16
+parameters (DeepSpeed's bf16: `module.bfloat16()`, no autocast)} x {training step (forward +
+backward), the same with activation checkpointing (`model.activation_checkpointing`: the block's
+forward recomputed in backward), KV-cache generation, evaluation forward} and prints one row per
+case. Ops that activation checkpointing recomputes in backward are forward ops and are filed so
+("forward, recomputed in backward of ..."), not under the autograd node whose backward triggered
+the recomputation. `LargestTensor` records the largest tensor any op makes (the memory tests).
 
 What it cannot see: the Triton code FlexAttention compiles to on a GPU (here FlexAttention is torch's
 dense reference of the same score and mask functions, `eager_flex`), NCCL, memory and speed
@@ -86,27 +91,83 @@ def has_cuda_kernel(op: torch._ops.OpOverload) -> bool:
     return bool(_native_dispatch().get(name, set()) & set(CUDA_KEYS))
 
 
-class _InsideSdpa(TorchFunctionMode):
-    """Counts the open calls of F.scaled_dot_product_attention (whose backend choice is the device's)."""
+class _Depth:
+    """A reusable context that counts how deeply it is entered (a recomputation may run again, nested)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc) -> None:
+        self.depth -= 1
+
+
+class _InsideSdpa(TorchFunctionMode):
+    """Counts the open calls of F.scaled_dot_product_attention (whose backend choice is the device's)
+    in `calls`."""
+
+    def __init__(self, calls: _Depth) -> None:
+        super().__init__()
+        self.calls = calls
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **(kwargs or {}))
-        self.depth += 1
-        try:
+        with self.calls:
             return func(*args, **(kwargs or {}))
-        finally:
-            self.depth -= 1
+
+
+class _Recomputation:
+    """Activation checkpointing's recomputation context (`_marking_recomputation`): counted in
+    `depth`, with SDPA's calls counted in `sdpa` as in forward (the autograd engine runs it without
+    the caller's torch-function modes)."""
+
+    def __init__(self, sdpa: _Depth) -> None:
+        self.depth, self.sdpa = _Depth(), sdpa
+        self._modes: list[_InsideSdpa] = []
+
+    def __enter__(self) -> None:
+        self.depth.__enter__()
+        self._modes.append(_InsideSdpa(self.sdpa))
+        self._modes[-1].__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._modes.pop().__exit__(*exc)
+        self.depth.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _marking_recomputation(mark: _Recomputation) -> Iterator[None]:
+    """torch's non-reentrant `checkpoint` (torch.utils.checkpoint's and the name each module of
+    `model` imported) given `mark` as its recomputation context (`context_fn`): what runs inside it
+    is a forward recomputed in backward."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    original = torch_checkpoint.checkpoint
+
+    def marked(function, *args, use_reentrant: bool | None = None, **kwargs):
+        if use_reentrant is False and "context_fn" not in kwargs:
+            kwargs["context_fn"] = lambda: (contextlib.nullcontext(), mark)
+        return original(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+    holders = [torch_checkpoint] + [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "model"
+                                    and getattr(m, "checkpoint", None) is original]
+    for holder in holders:
+        holder.checkpoint = marked
+    try:
+        yield
+    finally:
+        for holder in holders:
+            holder.checkpoint = original
 
 
 @dataclass
 class CudaOpCheck(TorchDispatchMode):
     """Records every op dispatched while active; `missing` holds those without a CUDA kernel, with
-    the phase (forward, or the autograd node running them in backward) that dispatched them."""
+    the phase (forward; forward recomputed by activation checkpointing in the backward of an
+    autograd node; or the autograd node running them in backward) that dispatched them."""
 
     seen: set[str] = field(default_factory=set)
     missing: dict[str, set[str]] = field(default_factory=dict)
@@ -114,15 +175,24 @@ class CudaOpCheck(TorchDispatchMode):
 
     def __post_init__(self) -> None:
         super().__init__()
-        self._sdpa = _InsideSdpa()
+        self._in_sdpa = _Depth()
+        self._sdpa = _InsideSdpa(self._in_sdpa)
+        self._recomputing = _Recomputation(self._in_sdpa)
+        self._marking = _marking_recomputation(self._recomputing)
 
     def __enter__(self):
         self._sdpa.__enter__()
+        self._marking.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        self._marking.__exit__(*exc)
         return self._sdpa.__exit__(*exc)
+
+    def flex_ran(self, out: torch.Tensor) -> None:
+        """FlexAttention ran outside the mode (`eager_flex`)."""
+        self.seen.add("flex_attention")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.OpOverload):
@@ -150,15 +220,47 @@ class CudaOpCheck(TorchDispatchMode):
         if name.startswith("prim::") or has_cuda_kernel(op):
             return
         node = torch._C._current_autograd_node()
-        where = "forward" if node is None else f"backward of {node.name()}"
-        if name in SDPA_CPU and (self._sdpa.depth > 0 if node is None else node.name() == SDPA_CPU[
+        forward = node is None or self._recomputing.depth.depth > 0
+        if node is None:
+            where = "forward"
+        elif forward:
+            where = f"forward, recomputed in backward of {node.name()}"
+        else:
+            where = f"backward of {node.name()}"
+        if name in SDPA_CPU and (self._in_sdpa.depth > 0 if forward else node.name() == SDPA_CPU[
                 "aten::_scaled_dot_product_flash_attention_for_cpu"]):
             return  # SDPA's own choice for a CPU tensor (its autograd formula's, in backward)
         self.missing.setdefault(name, set()).add(where)
 
 
+class LargestTensor(TorchDispatchMode):
+    """The largest tensor (elements) any op makes while active, and the op: a T x T tensor anywhere
+    in a forward shows as growth 4x for 2x length. FlexAttention run by `eager_flex` (outside the
+    mode: torch's dense reference, not the GPU's kernel) counts as its output, the fused kernel's
+    only allocation."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.op = 0, ""
+
+    def _record(self, name: str, out) -> None:
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, torch.Tensor) and x.numel() > self.numel:
+                self.numel, self.op = x.numel(), name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._record(str(func), out)
+        return out
+
+    def flex_ran(self, out: torch.Tensor) -> None:
+        self._record("flex_attention", out)
+
+
 @contextlib.contextmanager
-def eager_flex(checked: CudaOpCheck | None = None) -> Iterator[None]:
+def eager_flex(checked: CudaOpCheck | LargestTensor | None = None) -> Iterator[None]:
     """FlexAttention as torch's dense reference (its score and mask functions traced, not compiled)
     with gradients on a CPU: torch refuses CPU backward in `flex_attention`'s entry only because it
     compiles no CPU backward kernel; the traced reference has one. Under a `CudaOpCheck` the call runs
@@ -169,7 +271,7 @@ def eager_flex(checked: CudaOpCheck | None = None) -> Iterator[None]:
         with _disable_current_modes():
             out = flex.flex_attention(q, k, v, **options)
         if checked is not None:
-            checked.seen.add("flex_attention")
+            checked.flex_ran(out)
         return out
 
     # `run_flex` in each module of `model` that calls it: a `from .kernel_path import` binds its own name
@@ -226,9 +328,11 @@ def _evaluation(model: GPT, idx: torch.Tensor, documents: torch.Tensor | None) -
         model(idx, logits_to_keep=1)
 
 
+# train_checkpointed: the training step with `model.activation_checkpointing` (the 350M presets')
 MODES: dict[str, Callable[[GPT, torch.Tensor, torch.Tensor | None], None]] = {
-    "train": _train_step, "kv_cache": _kv_steps, "eval": _evaluation}
-DTYPES = ("fp32", "bf16")
+    "train": _train_step, "train_checkpointed": _train_step, "kv_cache": _kv_steps, "eval": _evaluation}
+# bf16: autocast (fp32 parameters); bf16_params: the parameters themselves bf16, no autocast (DeepSpeed's bf16)
+DTYPES = ("fp32", "bf16", "bf16_params")
 
 
 @dataclass(frozen=True)
@@ -239,10 +343,16 @@ class Case:
     mode: str
     modifiers: bool = False  # the softmax modifiers on (model.sinks and model.ssmax)
 
+    def model(self) -> GPT:
+        """The case's model on the forced GPU path, in its dtype and mode's settings."""
+        torch.manual_seed(0)
+        model = GPT(config(self.design, self.documents, sinks=self.modifiers, ssmax=self.modifiers,
+                           activation_checkpointing=self.mode == "train_checkpointed"))
+        return model.bfloat16() if self.dtype == "bf16_params" else model
+
     def run(self) -> CudaOpCheck:
         """The case on the forced GPU path, under a `CudaOpCheck`."""
-        torch.manual_seed(0)
-        model = GPT(config(self.design, self.documents, sinks=self.modifiers, ssmax=self.modifiers))
+        model = self.model()
         idx = torch.randint(0, VOCAB, (2, T))
         documents = DOCUMENTS if self.documents else None
         checked = CudaOpCheck()

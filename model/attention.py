@@ -46,8 +46,8 @@ from .bias_attention import LayerBias, _cpu_bias, bias_attention
 from .config import ModelConfig
 from .designs import RopeTables, ssmax_init, ssmax_scale
 from .documents import Documents, causal_segments, segment_attention
-from .flex import _document_window_mask, _flex_bias
-from .kernel_path import _gqa, run_flex, takes_gpu_path
+from .flex import _flex_bias
+from .kernel_path import _gqa, gpu_sdpa, run_flex, takes_gpu_path
 from .sequence_parallel import SequenceParallel
 from .sink_attention import sink_attention
 from .window_attention import _chunked_window, window_attention
@@ -79,13 +79,13 @@ def causal_attention(q, k, v, bias: LayerBias | None = None, documents: Document
         return bias_attention(q, k, v, bias, kernel)
     if window:
         return window_attention(q, k, v, window, kernel)
-    tq, tk, gqa = q.shape[-2], k.shape[-2], _gqa(q, k)
-    if tq == tk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if tq == 1:  # one new token sees the whole cache
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    tq, tk = q.shape[-2], k.shape[-2]
+    options = {"is_causal": True} if tq == tk else {}  # one new token (tq == 1) sees the whole cache
+    if tq != tk and tq != 1:
+        options["attn_mask"] = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+    if takes_gpu_path(q, kernel):
+        return gpu_sdpa(q, k, v, **options)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=_gqa(q, k), **options)
 
 
 def _document_attention(q, k, v, documents: Documents, bias: LayerBias | None, window: int = 0,
@@ -101,12 +101,11 @@ def _document_attention(q, k, v, documents: Documents, bias: LayerBias | None, w
         if not gpu:
             return segment_attention(q, k, v, documents.ids,
                                      lambda q, k, v, rows, tokens: _chunked_window(q, k, v, window))
-        mask = _document_window_mask(documents.ids, window)
-        return run_flex(q, k, v, block_mask=mask, enable_gqa=_gqa(q, k))
+        return run_flex(q, k, v, block_mask=documents.block_mask(window), enable_gqa=_gqa(q, k))
     if gpu:
         if bias is not None:
             return _flex_bias(q, k, v, bias, documents)
-        return run_flex(q, k, v, block_mask=documents.block_mask, enable_gqa=_gqa(q, k))
+        return run_flex(q, k, v, block_mask=documents.block_mask(), enable_gqa=_gqa(q, k))
     if bias is None:
         return causal_segments(q, k, v, documents.ids)
 

@@ -1,5 +1,5 @@
-"""Attention with a score bias b_h(m, n) (ALiBi, KERPLE, FIRE, FoX): `LayerBias`, a layer's bias
-bound to one forward, and its kernels. `bias_attention` picks one: FlexAttention with a score
+"""Attention with a score bias b_h(m, n) (ALiBi, KERPLE, FIRE, FoX): the kernels of a layer's bias
+bound to one forward (`LayerBias`, `model.layer_bias`). `bias_attention` picks one: FlexAttention with a score
 modification on the GPU path (`model.flex`); on the CPU path the fused flash kernel with the bias
 as one more q/k dimension for a separable bias (`_KeyBiasAttention`), its tiled additive mask for
 one without per-token terms (`_AdditiveBiasAttention`), else SDPA over chunks of query rows with
@@ -7,15 +7,14 @@ the bias computed per chunk (`_chunked_bias`, also the KV-cache steps' kernel on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .designs import ScoreBias, sink_gradient, sink_mass, sink_row_gradient, with_sinks
+from .designs import sink_gradient, sink_mass, sink_row_gradient, with_sinks
 from .flex import _flex_bias
-from .kernel_path import _FLASH, _FLASH_BACKWARD, _gqa, takes_gpu_path
+from .kernel_path import _FLASH, _FLASH_BACKWARD, _gqa, gpu_sdpa, takes_gpu_path
+from .layer_bias import LayerBias
 
 # Query rows per chunk of the bias and window paths: the additive bias is [H, rows, keys]; the fused
 # path's float32 error is proportional to it (`_KeyBiasAttention`).
@@ -32,49 +31,6 @@ SCORE_KEYS = 512
 # `python -m bench.attention`: blocks of 1024 keys, with the extended copies made per block, gave a
 # lower 8K peak than one call over all earlier keys or blocks of 2048, in no more time.
 BACKWARD_KEYS = 1024
-
-
-@dataclass(frozen=True)
-class LayerBias:
-    """A layer's score bias bound to one forward: the module, the per-token terms of its keys
-    (a gated bias's, e.g. FoX's log forget gates [B, H, Tk]; None otherwise), the position of key
-    0 (`start`: a document piece's offset in its row where positions do not restart) and the query
-    heads served."""
-
-    module: ScoreBias
-    terms: torch.Tensor | None = None
-    start: int = 0
-    heads: slice = field(default_factory=lambda: slice(None))
-
-    def prefix(self) -> torch.Tensor | None:
-        """F [B, H, Tk]: the running sums of the terms, in float64 (exact differences F_m - F_n)."""
-        return None if self.terms is None else self.terms.to(torch.float64).cumsum(dim=-1)
-
-    def rows(self, first: int, rows: int, keys: int, prefix: torch.Tensor | None,
-             device: torch.device, t: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """b_h(m, n) of queries first..first+rows-1 over keys 0..keys-1 (indices; positions add
-        `start`): [B, H, rows, keys], or [H, rows, keys] for a bias that is the same in every row
-        (from the module's `tensors` t where given: `ScoreBias.rows`)."""
-        m = torch.arange(first, first + rows, device=device)[:, None] + self.start
-        n = torch.arange(keys, device=device)[None, :] + self.start
-        n = torch.minimum(n, m)  # masked pairs (n > m) read n = m: the formulas stay finite there
-        gap = None
-        if prefix is not None:  # float64: F_m - F_n exact
-            gap = prefix[..., first : first + rows, None] - prefix[..., None, :keys]
-        return self.module.rows(self.heads, m, n, gap, t)
-
-    def key_values(self, keys: int, prefix: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """c_h(n) of keys 0..keys-1 (positions add `start`) of a separable bias (b = c_h(n) -
-        c_h(m)): [1 or B, H, keys], float64."""
-        n = torch.arange(keys, device=device) + self.start
-        return self.module.key_values(self.heads, n, None if prefix is None else prefix[..., :keys])
-
-    def scores(self, start: int, end: int, device: torch.device) -> torch.Tensor:
-        """Batch row 0's bias of queries start..end-1 over keys 0..end-1: [H, rows, end] (what
-        evaluation adds to q_eff . k_eff / sqrt(D))."""
-        prefix = self.prefix()
-        values = self.rows(start, end - start, end, None if prefix is None else prefix[:1, :, :end], device)
-        return values[0] if values.dim() == 4 else values
 
 
 def _needs_backward(bias: LayerBias, *xs: torch.Tensor) -> bool:
@@ -94,7 +50,7 @@ def bias_attention(q, k, v, bias: LayerBias, kernel: str = "auto") -> torch.Tens
         return _cpu_bias(q, k, v, bias)
     if q.shape[-2] == k.shape[-2]:
         return _flex_bias(q, k, v, bias)
-    return _chunked_bias(q, k, v, bias)
+    return _chunked_bias(q, k, v, bias, gpu=True)
 
 
 def _cpu_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
@@ -361,9 +317,9 @@ def _write_column(k_ext: torch.Tensor, values: torch.Tensor, part: slice, centre
     k_ext[..., -1] = (values[..., part] - values[..., centre : centre + 1]) / scale
 
 
-def _chunked_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
+def _chunked_bias(q, k, v, bias: LayerBias, gpu: bool = False) -> torch.Tensor:
     """SDPA over chunks of query rows with an additive bias [B or 1, H, rows, keys], computed per
-    chunk from the bias's parameters (and prefix sums).
+    chunk from the bias's parameters (and prefix sums); gpu: the GPU path's SDPA (`gpu_sdpa`).
 
     With gradients, each chunk is recomputed in the backward pass (activation checkpointing), so
     autograd keeps no per-chunk bias or probabilities: memory stays O(chunk x N), not O(N^2), and
@@ -378,16 +334,18 @@ def _chunked_bias(q, k, v, bias: LayerBias) -> torch.Tensor:
         end = min(tq, start + BIAS_CHUNK)
         keys = offset + end
         f = None if prefix is None else prefix[..., :keys]
-        args = (q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], bias, offset + start, f)
+        args = (q[..., start:end, :], k[..., :keys, :], v[..., :keys, :], bias, offset + start, f, gpu)
         out.append(checkpoint(_bias_rows, *args, use_reentrant=False) if grad else _bias_rows(*args))
     return torch.cat(out, dim=-2)
 
 
-def _bias_rows(q, k, v, bias: LayerBias, first: int, prefix: torch.Tensor | None) -> torch.Tensor:
+def _bias_rows(q, k, v, bias: LayerBias, first: int, prefix: torch.Tensor | None, gpu: bool) -> torch.Tensor:
     """Attention of query rows first.. over keys 0..first+rows-1 (later keys are masked)."""
     rows, keys = q.shape[-2], k.shape[-2]
     m = torch.arange(first, first + rows, device=q.device)[:, None]
     n = torch.arange(keys, device=q.device)[None, :]
     values = bias.rows(first, rows, keys, prefix, q.device)
     mask = values.to(q.dtype).masked_fill(~(n <= m), torch.finfo(q.dtype).min)
+    if gpu:
+        return gpu_sdpa(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=_gqa(q, k))

@@ -7,9 +7,10 @@ belongs to it). The allowed pairs are block diagonal and causal: doc[m] == doc[n
 Two kernels, both exact and neither building an N x N tensor:
 
 - GPU: FlexAttention with a BlockMask built from per-tile document ranges ([B, tiles, tiles]
-  booleans, tiles of 128 tokens): a tile pair is skipped when its documents cannot meet, computed
-  without a mask where one document covers both tiles, and masked element-wise only on the tiles
-  that hold a boundary or the diagonal. A design's distance bias is its score modification.
+  booleans, tiles of 128 tokens; `model.block_masks.document_block_mask`): a tile pair is skipped
+  when its documents cannot meet, computed without a mask where one document covers both tiles,
+  and masked element-wise only on the tiles that hold a boundary or the diagonal. A design's
+  distance bias is its score modification.
 - CPU: causal attention on each document of a row, nothing masked (`segments`): the flash
   kernel's own forward and backward per document, written into one output and one set of
   gradients (`causal_segments`), so memory stays that of the fused kernel on the whole row and
@@ -33,20 +34,27 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+
+from .block_masks import document_block_mask
 
 
 class Documents:
-    """A batch's document ids [B, T], with the GPU kernel's block mask built once per forward (not
-    once per layer). restart: positions restart at each document (`model.doc_positions`), which a
+    """A batch's document ids [B, T], with the GPU kernel's block masks built once per batch (the
+    forward's, shared by every layer and by the recomputation of activation checkpointing), not once
+    per layer. restart: positions restart at each document (`model.doc_positions`), which a
     positional score bias then reads."""
 
     def __init__(self, ids: torch.Tensor, restart: bool = False):
         self.ids = ids
         self.restart = restart
+        self._masks: dict[int, BlockMask] = {}
 
-    @functools.cached_property
-    def block_mask(self):
-        return document_block_mask(self.ids)
+    def block_mask(self, window: int = 0) -> BlockMask:
+        """The document mask, within a sliding window of `window` keys where > 0 (built on first use)."""
+        if window not in self._masks:
+            self._masks[window] = document_block_mask(self.ids, window)
+        return self._masks[window]
 
     @functools.cached_property
     def starts(self) -> torch.Tensor:
@@ -197,43 +205,3 @@ def segment_attention(q, k, v, documents: torch.Tensor, attend: Callable) -> tor
 def _per_query_head(v: torch.Tensor, group: int) -> torch.Tensor:
     """v [B, n_kv_head, T, D] as [B, n_head, T, D]: kv head j serves query heads j*group..(j+1)*group-1."""
     return v.repeat_interleave(group, dim=1) if group > 1 else v
-
-
-# ---- GPU: FlexAttention ----------------------------------------------------------------------------
-
-
-def document_block_mask(documents: torch.Tensor):
-    """The BlockMask of doc[m] == doc[n], n <= m from per-tile document ranges (no T x T tensor)."""
-    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as BLOCK
-    from torch.nn.attention.flex_attention import BlockMask
-
-    B, T = documents.shape
-    tiles = -(-T // BLOCK)
-    pad = tiles * BLOCK - T  # padded keys sit after every query: the causal test drops them
-    padded = F.pad(documents, (0, pad), value=-1) if pad else documents
-    tile = torch.arange(tiles, device=documents.device)
-    first_doc = documents[:, tile * BLOCK]  # ids never decrease: a tile's first and last token
-    last_doc = documents[:, torch.clamp(tile * BLOCK + BLOCK - 1, max=T - 1)]  # bound its documents
-    q_tile, k_tile = tile[:, None], tile[None, :]
-    # Tile j <= i meets tile i iff its last document reaches tile i's first.
-    meets = (k_tile <= q_tile) & (last_doc[:, None, :] >= first_doc[:, :, None])
-    one_doc = first_doc == last_doc  # [B, tiles]
-    same = one_doc[:, :, None] & one_doc[:, None, :] & (first_doc[:, :, None] == first_doc[:, None, :])
-    full = (k_tile < q_tile) & same  # no boundary and off the diagonal: no element-wise mask
-    partial = meets & ~full
-
-    def mask_mod(b, h, m, n):
-        return (padded[b, m] == padded[b, n]) & (m >= n)
-
-    num_partial, partial_idx = _to_indices(partial)
-    num_full, full_idx = _to_indices(full)
-    return BlockMask.from_kv_blocks(num_partial, partial_idx, num_full, full_idx, BLOCK_SIZE=BLOCK,
-                                    mask_mod=mask_mod, seq_lengths=(T, T))
-
-
-def _to_indices(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, tiles, tiles] booleans -> (count [B, 1, tiles], column indices [B, 1, tiles, tiles]), the
-    selected columns first in increasing order (the layout `BlockMask.from_kv_blocks` reads)."""
-    counts = dense.sum(dim=-1, dtype=torch.int32)
-    order = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return counts[:, None], order[:, None]

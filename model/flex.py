@@ -1,36 +1,15 @@
-"""The GPU path's FlexAttention pieces: block masks (causal, sliding window, a window within
-documents; the document mask itself is `model.documents`'), and a score bias as a score
-modification (`_flex_bias`). All run through `run_flex` (`model.kernel_path`)."""
+"""The GPU path's FlexAttention calls with a score bias: the bias as a score modification
+(`_flex_bias`), under the causal block mask or a batch's document mask (`model.block_masks`). All
+run through `run_flex` (`model.kernel_path`)."""
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING
-
 import torch
 
+from .block_masks import causal_block_mask
 from .documents import Documents
 from .kernel_path import _gqa, run_flex
-
-if TYPE_CHECKING:
-    from .bias_attention import LayerBias
-
-
-@functools.lru_cache(maxsize=32)
-def _causal_block_mask(length: int, device: str):
-    """Causal BlockMask built from block indices: row tile i has full tiles 0..i-1 and a partial
-    diagonal tile i. (`create_block_mask` would evaluate the mask on all N x N pairs: 2.6 GB at 16K.)"""
-    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as BLOCK
-    from torch.nn.attention.flex_attention import BlockMask
-
-    tiles = -(-length // BLOCK)
-    rows = torch.arange(tiles, dtype=torch.int32, device=device)
-    diagonal = rows[:, None].expand(tiles, tiles).contiguous()  # only column 0 is read
-    before = rows[None, :].expand(tiles, tiles).contiguous()  # first i columns are read
-    return BlockMask.from_kv_blocks(
-        torch.ones_like(rows)[None, None], diagonal[None, None], rows[None, None], before[None, None],
-        BLOCK_SIZE=BLOCK, mask_mod=lambda b, h, m, n: m >= n, seq_lengths=(length, length),
-    )
+from .layer_bias import LayerBias
 
 
 def _score_mod(element, tensors: tuple[torch.Tensor, ...], positions: torch.Tensor | None,
@@ -77,28 +56,5 @@ def _flex_bias(q, k, v, bias: LayerBias, documents: Documents | None = None) -> 
     tensors = module.flex_tensors(bias.heads, q.device)
     positions = documents.positions if documents is not None and documents.restart else None
     mod = _score_mod(type(module).element, tensors, positions, _flex_prefix(bias, documents))
-    mask = documents.block_mask if documents is not None else _causal_block_mask(q.shape[-2], str(q.device))
+    mask = documents.block_mask() if documents is not None else causal_block_mask(q.shape[-2], str(q.device))
     return run_flex(q, k, v, score_mod=mod, block_mask=mask, enable_gqa=_gqa(q, k))
-
-
-@functools.lru_cache(maxsize=32)
-def _window_block_mask(length: int, window: int, device: str):
-    """The block mask of a sliding window (cached: one per length, window and device)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, m, n):
-        return (n <= m) & (m - n < window)
-
-    return create_block_mask(mask_mod, None, None, length, length, device=device)
-
-
-def _document_window_mask(ids: torch.Tensor, window: int):
-    """The block mask of a sliding window within each document (evaluated over the B x T x T pairs:
-    a cost the GPU pays once per forward, shared by the windowed layers' calls)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, m, n):
-        return (ids[b, m] == ids[b, n]) & (n <= m) & (m - n < window)
-
-    return create_block_mask(mask_mod, ids.shape[0], None, ids.shape[1], ids.shape[1], device=str(ids.device))
-

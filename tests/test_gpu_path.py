@@ -11,14 +11,16 @@ as fp32 does.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from torch.overrides import TorchFunctionMode
 
 import model.kernel_path as attention
-from bench.gpu_path import DOCUMENTS, MODES, VOCAB, Case, CudaOpCheck, config, eager_flex, has_cuda_kernel
+from bench.gpu_path import DOCUMENTS, DTYPES, MODES, VOCAB, Case, CudaOpCheck, config, eager_flex, has_cuda_kernel
 from model import GPT, KVCache
 from model.config import ModelConfig
 from model.designs import DESIGNS
@@ -75,6 +77,25 @@ def test_check_names_a_cpu_only_call_and_not_sdpas_own_choice():
     }
 
 
+def test_check_files_ops_recomputed_by_activation_checkpointing_as_forward():
+    """Under activation checkpointing the forward runs again inside backward: SDPA's own CPU kernel
+    recomputed there is SDPA's choice (was filed under the autograd node whose backward triggered
+    the recomputation, `backward of AddmmBackward0`, and reported), and a CPU-only call recomputed
+    there is a forward call, named so."""
+    assert Case("origin", False, "fp32", "train_checkpointed").run().missing == {}
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(1, 2, 8, 4, requires_grad=True)
+
+    def direct(x):
+        y = linear(x)
+        return attention._FLASH(y, y, y, 0.0, True)[0]
+
+    with CudaOpCheck() as checked:
+        linear(torch.utils.checkpoint.checkpoint(direct, x, use_reentrant=False)).sum().backward()
+    assert checked.missing == {"aten::_scaled_dot_product_flash_attention_for_cpu": {
+        "forward", "forward, recomputed in backward of ScaledDotProductFlashAttentionForCpuBackward0"}}
+
+
 # ---- no CPU-only op on the GPU path ---------------------------------------------------------------------------
 
 
@@ -90,17 +111,18 @@ def test_bias_kv_cache_step_on_the_gpu_path_has_cuda_kernels(key, mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("key", list(DESIGNS))
 def test_fake_cuda_sweep(key):
-    """Every design x {plain, documents} x {fp32, bf16} x {training step, KV-cache steps, evaluation
-    forward}: every op the forced GPU path dispatches has a CUDA kernel, and FlexAttention's backward
-    passes inductor's check (each tensor needing gradients read by one index)."""
+    """Every design x {plain, documents} x {fp32, bf16 autocast, bf16 parameters} x {training step,
+    the same with activation checkpointing, KV-cache steps, evaluation forward}: every op the forced
+    GPU path dispatches has a CUDA kernel, and FlexAttention's backward passes inductor's check
+    (each tensor needing gradients read by one index)."""
     found = {}
     for documents in (False, True):
-        for dtype in ("fp32", "bf16"):
+        for dtype in DTYPES:
             for mode in MODES:
                 checked = Case(key, documents, dtype, mode).run()
                 if checked.missing:
                     found[(documents, dtype, mode)] = checked.missing
-                if mode == "train" and DESIGNS[key].softmax and (documents or DESIGNS[key].bias
+                if mode.startswith("train") and DESIGNS[key].softmax and (documents or DESIGNS[key].bias
                                                                  or DESIGNS[key].for_layer):
                     assert "flex_attention" in checked.seen and "flex_attention_backward" in checked.seen
     assert found == {}
@@ -117,6 +139,36 @@ def test_softmax_modifiers_on_the_gpu_path_have_cuda_kernels(key, documents, mod
     assert checked.missing == {} and "flex_attention" not in checked.seen
 
 
+class _SdpaCalls(TorchFunctionMode):
+    """Each F.scaled_dot_product_attention call's (dtype, query heads, key heads, enable_gqa)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, int, int, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, k = args[0], args[1]
+            self.calls.append((q.dtype, q.shape[1], k.shape[1], bool(kwargs.get("enable_gqa", False))))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("key", ["origin", "hybrid", "alibi"])
+def test_fp32_grouped_query_attention_never_asks_sdpa_for_gqa_on_the_gpu_path(key):
+    """CUDA serves SDPA's `enable_gqa` in fp32 only with its math backend (a [B, H, T, T] tensor): on
+    the GPU path an fp32 call gets k and v repeated per query head instead (`gpu_sdpa`), in training,
+    generation (causal, window and bias chunks) and evaluation, arch=llama with one kv head."""
+    torch.manual_seed(0)
+    model = GPT(config(key, False, arch="llama", n_kv_head=1, parallel_residual=False))
+    idx = torch.randint(0, VOCAB, (2, 24))
+    recorded = _SdpaCalls()
+    with eager_flex(), recorded:
+        for mode in ("train", "kv_cache", "eval"):
+            MODES[mode](model, idx, None)
+    assert recorded.calls and all(q == k and not gqa for _, q, k, gqa in recorded.calls), recorded.calls
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("key", [key for key, d in DESIGNS.items() if d.softmax])
 def test_fake_cuda_sweep_with_softmax_modifiers(key):
@@ -124,7 +176,7 @@ def test_fake_cuda_sweep_with_softmax_modifiers(key):
     softmax: it refuses them)."""
     found = {}
     for documents in (False, True):
-        for dtype in ("fp32", "bf16"):
+        for dtype in DTYPES:
             for mode in MODES:
                 checked = Case(key, documents, dtype, mode, modifiers=True).run()
                 if checked.missing:
@@ -219,16 +271,12 @@ def _equal_paths(key: str, setting: str, **modifiers) -> None:
 
 @pytest.fixture
 def compiled_only():
-    """Every compile happens: past dynamo's recompile limit (8 per function) a call would fall back
-    to torch's dense reference and test nothing compiled (`_compiled_flex` is fullgraph: no graph
-    break can either). Set through torch's own `config.patch`, which restores each value on exit
-    (pytest's monkeypatch deletes a config module's attributes on undo since pytest 9.2, breaking
-    every later compile in the worker)."""
-    # Static shapes: after other tests' traced calls dynamo would mark sizes dynamic, and inductor's
-    # CPU template fails to compile FoX's score_mod with dynamic sizes (torch 2.13; the GPU's is Triton).
-    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True,
-                                    automatic_dynamic_shapes=False):
-        torch._dynamo.reset()
+    """From a clean slate, under torch's default dynamo configuration: `run_flex` compiles each
+    variant on its own (fullgraph: no graph break and no hit recompile limit can fall back to the
+    dense reference), and FlexAttention run uncompiled, which warns, is an error here."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "flex_attention called without torch.compile")
         yield
 
 

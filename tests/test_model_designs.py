@@ -228,8 +228,8 @@ def test_hybrid_layers_count_from_the_last():
 def test_windowed_flex_kernel_matches_the_cpu_kernel():
     """The GPU path (compiled FlexAttention with a sliding-window block mask; forward runs on CPU,
     ~30 s compile) agrees with the chunked CPU kernel, with and without documents."""
-    from model.flex import _document_window_mask, _window_block_mask
-    from model.kernel_path import _compiled_flex
+    from model.block_masks import document_block_mask, window_block_mask
+    from model.kernel_path import run_flex
     from model.window_attention import _chunked_window
 
     g = torch.Generator().manual_seed(3)
@@ -237,9 +237,9 @@ def test_windowed_flex_kernel_matches_the_cpu_kernel():
     q, k, v = (torch.randn(2, 4, T, 16, generator=g) for _ in range(3))
     docs = torch.cat([torch.zeros(2, 130, dtype=torch.long), torch.ones(2, 170, dtype=torch.long)], dim=1)
     with torch.no_grad():
-        flex = _compiled_flex()(q, k, v, block_mask=_window_block_mask(T, 37, "cpu"))
+        flex = run_flex(q, k, v, block_mask=window_block_mask(T, 37, "cpu"))
         torch.testing.assert_close(flex, _chunked_window(q, k, v, 37), rtol=1e-4, atol=1e-5)
-        flex = _compiled_flex()(q, k, v, block_mask=_document_window_mask(docs, 37))
+        flex = run_flex(q, k, v, block_mask=document_block_mask(docs, 37))
         chunked = torch.cat([_chunked_window(q[..., :130, :], k[..., :130, :], v[..., :130, :], 37),
                              _chunked_window(q[..., 130:, :], k[..., 130:, :], v[..., 130:, :], 37)], dim=2)
         torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-5)

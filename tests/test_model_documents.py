@@ -239,7 +239,7 @@ def test_flex_kernel_matches_cpu_kernel(alibi, kv_heads):
     CPU kernel on a packed row with documents across tile edges, with GQA too (the one-token
     documents' outputs are their kv head's values)."""
     from model.flex import _flex_bias
-    from model.kernel_path import _compiled_flex
+    from model.kernel_path import run_flex
 
     g = torch.Generator().manual_seed(6)
     lengths = [300, 1, 1, 97, 400, 225]
@@ -250,6 +250,6 @@ def test_flex_kernel_matches_cpu_kernel(alibi, kv_heads):
         if alibi:
             flex = _flex_bias(q, k, v, bias, Documents(docs))
         else:
-            flex = _compiled_flex()(q, k, v, block_mask=document_block_mask(docs), enable_gqa=kv_heads != 4)
+            flex = run_flex(q, k, v, block_mask=document_block_mask(docs), enable_gqa=kv_heads != 4)
         segments = causal_attention(q, k, v, bias, documents=Documents(docs))  # the CPU kernel
     torch.testing.assert_close(flex, segments, rtol=1e-4, atol=1e-5)

@@ -1,4 +1,5 @@
-"""A 16K-token forward of the tiny model needs far less memory than one N x N score matrix.
+"""A 16K-token forward of the tiny model needs far less memory than one N x N score matrix; on the
+GPU path, no tensor grows faster than the length (`test_gpu_path_largest_tensor_grows_linearly`).
 
 Peak memory is the growth of the peak resident set of a fresh subprocess over the 16K forward: after
 short warm-up forwards (which also compile what needs compiling) the kernel's peak mark is reset
@@ -16,10 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.attention import WORKER_ENV
+from model.designs import DESIGNS
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+needs_proc = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 16384
@@ -53,6 +56,7 @@ def peak_forward_memory(attention: str, form: str, name: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@needs_proc
 @pytest.mark.parametrize(
     "attention, form, name",
     [
@@ -67,3 +71,44 @@ def test_16k_forward_memory_is_far_below_a_score_matrix(attention, form, name):
     print(f"{name} {attention}-{form}: peak {result['peak_bytes'] / 2**20:.0f} MiB vs {score_matrices / 2**20:.0f} MiB")
     assert result["finite"]
     assert result["peak_bytes"] < score_matrices / 10
+
+
+# ---- the GPU path's largest tensor: O(T), never T x T ---------------------------------------------------------
+
+SHORT = 256  # T; the test runs T and 2T (tiles of 128: 2 and 4 per row)
+GROWTH = 2.2  # 2x length may at most double the largest tensor (a T x T tensor quadruples)
+
+
+def _largest(key: str, documents: bool, mode: str, length: int, **overrides) -> tuple[int, str]:
+    """The largest tensor (elements) any op makes in a training forward (training mode, gradients
+    on) or an evaluation forward (per-token losses, no gradient) of the forced GPU path at `length`,
+    documents of 100 tokens where on; FlexAttention as its output (`LargestTensor`)."""
+    from bench.gpu_path import VOCAB, LargestTensor, config, eager_flex
+    from model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(config(key, documents, max_seq_len=length, **overrides))
+    idx = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+    docs = (torch.arange(length) // 100).expand(2, length) if documents else None
+    recorder = LargestTensor()
+    with eager_flex(recorder), recorder:
+        if mode == "train":
+            model.train()(idx, idx.roll(-1, dims=1), documents=docs)
+        else:
+            model.eval().token_losses(idx, idx.roll(-1, dims=1), documents=docs)
+    return recorder.numel, recorder.op
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
+@pytest.mark.parametrize("key", [*DESIGNS, "origin+gqa"])
+def test_gpu_path_largest_tensor_grows_linearly(key, documents, mode, single_thread):
+    """Every design (and fp32 grouped-query attention, arch=llama: k and v repeated per query head,
+    not SDPA's math backend) on the forced GPU path, with and without documents: the largest tensor
+    of a forward at 2T is at most about twice that at T (the hybrid's window masks were [T, T] and
+    [B, 1, T, T]; stick-breaking's document masks B T^2 / 2 in all)."""
+    design, *gqa = key.split("+")
+    overrides = dict(arch="llama", n_kv_head=1, parallel_residual=False) if gqa else {}
+    short, op = _largest(design, documents, mode, SHORT, **overrides)
+    long, long_op = _largest(design, documents, mode, 2 * SHORT, **overrides)
+    assert long <= GROWTH * short, f"{short} ({op}) at {SHORT} -> {long} ({long_op}) at {2 * SHORT}"

@@ -47,13 +47,19 @@ BLOCK = 256  # keys per step of a chunk's forward, nearest first, until its rows
 SOFTPLUS_LINEAR = 40.0  # softplus(z) = z past it: e^-40 = 4e-18 is below float64's rounding of 40
 
 
-def _allowed(rows: int, keys: int, same: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _allowed(rows: int, keys: int, docs: tuple[torch.Tensor, torch.Tensor] | None,
+             device: torch.device) -> torch.Tensor:
     """Which (row, key) pairs of a chunk count, the keys in reverse order (column c is the key c
-    places before the chunk's last row, so row r sees columns c >= rows - 1 - r); same [B, rows, N]:
-    whether a key is in the row's document (None: all are). -> [rows, N] or [B, 1, 1, rows, N]."""
+    places before the chunk's last row, so row r sees columns c >= rows - 1 - r); docs: the rows'
+    document ids [B, rows] and the keys' [B, >= keys], reversed as the keys are (None: one
+    document). -> [rows, keys] or [B, 1, 1, rows, keys], made per chunk from views of the batch's
+    ids, never kept: the chunks' masks together would be B T^2 / 2 bytes."""
     r = torch.arange(rows, device=device)
     allowed = torch.arange(keys, device=device)[None, :] >= (rows - 1 - r)[:, None]
-    return allowed if same is None else allowed & same[:, None, None]
+    if docs is None:
+        return allowed
+    row_ids, key_ids = docs
+    return allowed & (row_ids[:, :, None] == key_ids[:, None, :keys])[:, None, None]
 
 
 def _used_up(dtype: torch.dtype) -> float:
@@ -121,14 +127,13 @@ class _StickBreaking(torch.autograd.Function):
         B, Hkv, G, Tq, D = q.shape
         out, log_rem = q.new_zeros(B, Hkv, G, Tq, D), q.new_zeros(B, Hkv, G, Tq)
         backward_plan = []  # each chunk's keys up to where its forward stopped
-        for s, rows, keys, same in plan:
+        for s, rows, keys, docs in plan:
             q_rows = q[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
             chunk, rem, used = _chunk_forward(q_rows, k_rev[..., keys, :], v_rev[..., keys, :], rows,
-                                              _allowed(rows, keys.stop - keys.start, same, q.device))
+                                              _allowed(rows, keys.stop - keys.start, docs, q.device))
             out[..., s : s + rows, :] = chunk.view(B, Hkv, G, rows, D)
             log_rem[..., s : s + rows] = rem.view(B, Hkv, G, rows)
-            backward_plan.append((s, rows, slice(keys.start, keys.start + used),
-                                  None if same is None else same[..., :used]))
+            backward_plan.append((s, rows, slice(keys.start, keys.start + used), docs))
         ctx.save_for_backward(q, k_rev, v_rev)
         ctx.plan = backward_plan
         return out, log_rem
@@ -138,8 +143,8 @@ class _StickBreaking(torch.autograd.Function):
         q, k_rev, v_rev = ctx.saved_tensors
         B, Hkv, G, Tq, D = q.shape
         grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k_rev), torch.zeros_like(v_rev)
-        for s, rows, keys, same in ctx.plan:
-            allowed = _allowed(rows, keys.stop - keys.start, same, q.device)
+        for s, rows, keys, docs in ctx.plan:
+            allowed = _allowed(rows, keys.stop - keys.start, docs, q.device)
             q_rows = q[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
             z, weights, _ = _weights(q_rows, k_rev[..., keys, :], rows, allowed)
             grad_rows = grad_out[..., s : s + rows, :].reshape(B, Hkv, G * rows, D)
@@ -179,7 +184,7 @@ def stick_breaking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         first[:, 1:] = documents[:, 1:] != documents[:, :-1]
         starts = torch.where(first, index, 0).cummax(-1).values
         ids_rev = documents.flip(-1)
-    plan = []  # per chunk of query rows that sees a key: (first row, rows, its keys in k_rev, documents)
+    plan = []  # per chunk of query rows that sees a key: (first row, rows, its keys in k_rev, their documents)
     for s in range(0, Tq, CHUNK):
         rows = min(Tq, s + CHUNK) - s
         last = offset + s + rows - 1  # the chunk's last row's position: its keys are 0..last-1
@@ -187,10 +192,8 @@ def stick_breaking(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if last <= lo:  # no row of the chunk sees a key: output 0, log rem 0
             continue
         keys = slice(Tk - last, Tk - lo)
-        same = None
-        if documents is not None:
-            same = documents[:, offset + s : offset + s + rows, None] == ids_rev[:, None, keys]
-        plan.append((s, rows, keys, same))
+        docs = None if documents is None else (documents[:, offset + s : offset + s + rows], ids_rev[:, keys])
+        plan.append((s, rows, keys, docs))
     out, log_rem = _StickBreaking.apply(q, k_rev, v_rev, plan)
     return out.view(B, H, Tq, D), log_rem.view(B, H, Tq)
 

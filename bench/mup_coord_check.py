@@ -107,6 +107,7 @@ def main() -> None:
             ax.set(xscale="log", yscale="log", xlabel="width", ylabel=label,
                    title=f"{opt}, {'muP' if mup else 'standard'}, step {args.steps}")
             ax.set_xticks(list(WIDTHS), [str(w) for w in WIDTHS])
+            ax.minorticks_off()
     axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)

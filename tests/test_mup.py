@@ -148,3 +148,20 @@ def test_mup_hf_export_computes_our_logits_in_transformers(attention, arch, tmp_
         plain = GPT(_cfg(128, vocab_size=tokenizer.vocab_size, attention=attention, mup=False, **arch)).eval()
         plain.load_state_dict(model.state_dict())
         assert (plain(idx) - ours).abs().max() > 1e-2  # without the multipliers the logits differ
+
+
+def test_mup_size_ladder_matches_tokens_per_parameter():
+    """`+size=<rung>`: widths and depths grow up the ladder, each under muP from the first rung's width,
+    each trained on 20 tokens per non-embedding parameter (the model's own count, to one step)."""
+    from model.config import count_parameters
+    from train.config import compose, to_train_config
+
+    rungs = [to_train_config(compose([f"+size={rung}"])) for rung in ("xs", "s", "m", "l", "xl")]
+    assert all(a.model.n_embd < b.model.n_embd and a.model.n_layer <= b.model.n_layer
+               for a, b in zip(rungs, rungs[1:]))
+    for cfg in rungs:
+        assert cfg.model.mup and cfg.model.mup_base_width == rungs[0].model.n_embd
+        per_step = cfg.batch_size * cfg.model.max_seq_len
+        assert (per_step, cfg.model.max_seq_len) == (16 * 128, 128)
+        params = count_parameters(cfg.model)["non_embedding"]
+        assert 20 * params <= cfg.max_steps * per_step < 20 * params + per_step

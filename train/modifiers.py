@@ -28,7 +28,8 @@ from model.convert import MODIFIERS
 SINK_START = -20.0
 
 # each modifier's parameters in an attention layer, and how its start relates to the source
-_PARAMETERS = {"sinks": ("attn.sinks",), "ssmax": ("attn.ssmax",), "qk_norm": ("attn.q_norm.", "attn.k_norm.")}
+_PARAMETERS = {"sinks": ("attn.sinks",), "ssmax": ("attn.ssmax",),
+               "qk_norm": ("attn.q_norm.weight", "attn.k_norm.weight")}
 _START = {"sinks": f"sinks at logit {SINK_START:g} (neutral to fp32 rounding)",
           "ssmax": "ssmax's s at 1/log(max_seq_len) (neutral for a query that sees max_seq_len keys only)",
           "qk_norm": "qk_norm's scales at 1 (q and k normalised: not neutral)"}

@@ -165,3 +165,25 @@ def test_mup_size_ladder_matches_tokens_per_parameter():
         assert (per_step, cfg.model.max_seq_len) == (16 * 128, 128)
         params = count_parameters(cfg.model)["non_embedding"]
         assert 20 * params <= cfg.max_steps * per_step < 20 * params + per_step
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_mup_run_optimizer_groups_carry_the_lr_factors(optimizer):
+    """The run's optimizer (`train.engine.build_optimizer`) under muP at m = 4: AdamW's hidden and
+    output-like matrices at lr_scale 1/4, everything else at 1; Muon's group at muon_lr / lr (its
+    spectral factor under `original` is 1)."""
+    from train.config import OptimConfig, TrainConfig
+    from train.engine import build_optimizer
+
+    model = GPT(_cfg(128))
+    cfg = TrainConfig(model=model.cfg, optim=OptimConfig(name=optimizer, lr=1e-3, muon_lr=0.02))
+    names = {id(p): n for n, p in model.named_parameters()}
+    found = kinds(model)
+    for group in build_optimizer(model, cfg).param_groups:
+        for p in group["params"]:
+            if group.get("use_muon"):
+                assert HIDDEN.fullmatch(names[id(p)]) and group["lr_scale"] == pytest.approx(20.0)
+            else:
+                hidden = found[names[id(p)]] in ("hidden", "output")
+                assert group["lr_scale"] == pytest.approx(0.25 if hidden else 1.0), names[id(p)]
+                assert not (optimizer == "muon" and HIDDEN.fullmatch(names[id(p)]))

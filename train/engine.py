@@ -100,8 +100,8 @@ def bf16_gradient_dtypes(precision: str, zero_stage: int) -> dict[str, Any]:
     the ranks' gradients is the same accumulation, and a bf16 reduce rounds every partial sum to 8
     bits; it costs twice the reduce traffic, small beside the step's compute at this project's scale.
     Stage 0 is left in bf16: DeepSpeed refuses bf16 parameters with fp32 accumulation without ZeRO
-    (`NotImplementedError: unsupported mix`); use ZeRO 1 (the same memory, its optimizer state
-    partitioned) for fp32 accumulation. Tested in tests/test_grad_accum_dtype.py."""
+    (`NotImplementedError: unsupported mix`); ZeRO 1 accumulates in fp32 for an fp32 gradient buffer
+    more (4 bytes a parameter). Tested in tests/test_grad_accum_dtype.py."""
     if precision != "bf16" or zero_stage == 0:
         return {}
     return {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
@@ -119,7 +119,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
     DeepSpeedCPUAdam (the step runs on the CPU, as ZeRO-Offload needs). Under `model.mup` every
     group's lr carries its muP factor (`model.mup.lr_multiplier`)."""
     o = cfg.optim
-    multiplier = partial(lr_multiplier, model) if cfg.model.mup else None
+    multiplier = partial(lr_multiplier, model, o.muon_adjust_lr) if cfg.model.mup else None
     if o.name == "muon":
         return build_muon(model, cfg, multiplier)
     groups = param_groups(model, o.weight_decay) if multiplier is None else optim_groups(model, cfg, multiplier)

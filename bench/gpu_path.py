@@ -389,8 +389,7 @@ def flex_against_cpu(key: str, documents: bool) -> float:
     """The largest difference of the forced GPU path's logits (compiled FlexAttention, forward) from
     the CPU kernels' on the same weights, relative to their largest magnitude: with documents and
     `doc_positions`, or without and then also over a KV-cache continuation (8 queries at 24..31
-    after the same 24 tokens: one compiled shape, since inductor's CPU template fails to compile
-    some score_mods at a second, dynamic shape)."""
+    after the same 24 tokens)."""
     torch.manual_seed(0)
     cpu = GPT(config(key, documents, kernel="auto")).eval()
     gpu = GPT(config(key, documents, kernel="flex")).eval()
@@ -418,10 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfake-CUDA sweep: {len(cases(args.designs))} cases, {bad} with an op that has no CUDA kernel "
           f"({time.perf_counter() - start:.0f} s)")
     if args.flex is not None:
-        # Static shapes, from a clean slate: the sweep's traced calls leave dynamo marking sizes
-        # dynamic, and inductor's CPU template fails to compile FoX's score_mod with dynamic sizes.
-        torch._dynamo.reset()
-        torch._dynamo.config.automatic_dynamic_shapes = False
         print(f"\n| design | documents | compiled Flex vs CPU kernels (relative; at most {FLEX_RTOL:.0e}) |")
         print("|---|---|---|")
         for key in args.flex or args.designs or DESIGNS:

@@ -80,7 +80,7 @@ def test_study_shortened(tmp_path: Path) -> None:
     study = dict(DESIGNS="origin alibi", SEEDS="1 2", TEXT_ONLY="0", STEPS="3", RESULTS=str(tmp_path / "results"),
                  SCALINGS="[none,dynamic:2,dynamic:4,dynamic:8]",  # the pilot's sweep (the study's: none, dynamic:8)
                  EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
-                 "recall.lengths=[256,512] recall.n_cases=2 attention.length=512")
+                 "recall.lengths=[256,512] recall.n_cases=2 attention.length=512 attention.head_lengths=[256,512]")
     run_script("reproduce_study.sh", tmp_path, **study)
     runs = {f"{v}_s{s}": v for v in ("origin", "alibi") for s in (1, 2)}
     for run, design in runs.items():
@@ -218,7 +218,7 @@ def test_new_designs_compared_with_published_origin_runs(tmp_path: Path) -> None
     run_script("reproduce_designs.sh", tmp_path, DESIGNS="origin kerple", SEEDS="1", STEPS="3",
                PUBLISHED=str(published), RESULTS=str(results),
                EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
-               "recall.lengths=[256] recall.n_cases=1 attention.length=256")
+               "recall.lengths=[256] recall.n_cases=1 attention.length=256 attention.head_lengths=[256]")
     assert not (tmp_path / "origin_s1").exists() and not (results / "origin_s1").exists()
     cfg = (tmp_path / "kerple_s1" / "config.yaml").read_text()
     assert "attention: kerple" in cfg and "name: study_kerple_s1" in cfg and "kind: synthetic" in cfg

@@ -145,7 +145,7 @@ def test_each_benchmark_and_test_needs_only_requirements_dev_txt(command):
     assert not undeclared(command, REPO / "requirements-dev.txt", no_deps=True)
 
 
-USER_DOCS = ("README.md", "docs/GUIDE.md", "docs/BENCHMARKS.md", "docs/GPU.md")
+USER_DOCS = ("README.md", "docs/GUIDE.md", "docs/BENCHMARKS.md", "docs/GPU.md", "docs/OPTIMIZERS.md")
 
 
 @pytest.mark.parametrize("doc", USER_DOCS)

@@ -15,7 +15,7 @@ import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
-RUNTIME = ("train", "train.export_hf", "eval", "eval.report", "eval.replicate", "eval.dose", "generate",
+RUNTIME = ("train", "train.export_hf", "eval", "eval.report", "eval.replicate", "eval.dose", "eval.publish", "generate",
            "data.tokenizer", "data.prepare", "data.documents")
 DEV_ONLY_PACKAGES = ("bench", "tests")
 

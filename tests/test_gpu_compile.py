@@ -55,3 +55,16 @@ def test_every_design_compiles_in_one_process_under_the_default_config():
                     assert len(tokens) == 4, (name, dtype)
     # the designs with a score bias or a window compiled a variant per score or mask function and dtype
     assert kernel_path._compiled_flex.cache_info().currsize >= 2 * 5
+
+
+@pytest.mark.slow
+def test_fox_compiles_at_a_second_batch_size():
+    """FoX's evaluation at batch 1 then 2 in one process: a dynamic batch size made inductor's C++
+    template fail (`cur_kvSplitSize1` undeclared); the batch is part of the compiled variant."""
+    torch._dynamo.reset()
+    model = _model("fox")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for batch in (1, 2, 1):
+            idx = torch.randint(0, VOCAB, (batch, TRAIN + 1), generator=g)
+            assert torch.isfinite(model.token_losses(idx[:, :-1], idx[:, 1:])).all()

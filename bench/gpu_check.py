@@ -9,7 +9,10 @@ anything is installed. Each `record` appends one JSON line to <out>/results.json
     python3 bench/gpu_check.py record OUT --stage z2_origin --rc 0 --seconds 41.2 --run RUN_DIR
     python3 bench/gpu_check.py record OUT --stage resume --rc 0 --seconds 30 --run RESUMED \\
         --reference REFERENCE_RUN --resume-step 20 --tol 5e-3
-    python3 bench/gpu_check.py estimate --designs "origin alibi" --steps 12 --batch 32 --parallel 5
+    python3 bench/gpu_check.py estimate --designs "origin alibi" --steps 12 --batch 32 --parallel 5 \
+        --tsv stage_seconds.tsv
+    python3 bench/gpu_check.py disk --free-gb 40 --ckpt-gb 4.3 --parallel 7 [--budget-gb 20]
+    python3 bench/gpu_check.py checkpoint-gb        # a 350M ZeRO 2 checkpoint's size, for the disk plan
 """
 
 from __future__ import annotations
@@ -281,7 +284,27 @@ def write_summary(out: Path) -> None:
     else:
         skipped_note = f"; skipped: {', '.join(skipped)}" if skipped else ""
         lines.append(f"RESULT: {len(stages) - len(skipped)} stages ok{skipped_note}")
+    again = rerun_stages(stages)
+    if again:
+        lines.append(f'rerun: STAGES="{" ".join(again)}" BUDGET_S={RERUN_BUDGET_S} bash bench/gpu_check.sh')
     (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+RERUN_BUDGET_S = 300  # the same lease's second call: 15 min less start-up, transfers and the first call's 330 s
+
+
+def rerun_stages(stages: list[dict]) -> list[str]:
+    """What a second call should run: every stage that failed, timed out or did not fit in the budget,
+    with what it needs (env; resume needs the first trainer run's checkpoint), in the check's order."""
+    names = [e["stage"] for e in stages]
+    again = {e["stage"] for e in stages if e["status"] in ("FAIL", "timeout")
+             or e.get("note", "").startswith("out of time")}
+    first_run = next((name for name in names if name.startswith("z2_")), None)
+    if "resume" in again and first_run:
+        again.add(first_run)
+    if not again:
+        return []
+    return ["env", *(name for name in names if name in again and name != "env")]
 
 
 def meta(args) -> int:
@@ -298,27 +321,33 @@ def meta(args) -> int:
 
 
 # ---- the time estimate, printed before the check starts ----------------------------------------------------
-# What the estimate assumes of an H200 (none of it measured yet: docs/GPU.md). The model work comes
-# from FLOPs; the rest is fixed costs per process, which dominate at 350M.
-H200_BF16 = 989e12  # dense bf16 FLOP/s (train/flops.py's table)
+# What the estimate assumes of a Hopper GPU (H100 or H200: the same dense bf16 peak; none of it measured
+# yet: docs/GPU.md). The model work comes from FLOPs; the rest is fixed costs per process, which dominate
+# at 350M.
+HOPPER_BF16 = 989e12  # dense bf16 FLOP/s (train/flops.py's table)
 TRAIN_MFU = 0.30  # eager PyTorch, activation checkpointing, 350M: the low end of the usual 30-45%
 COSTS = {  # seconds
     "env": 25.0,  # install the wheels, import everything, nvidia-smi
     "start": 15.0,  # python, torch, deepspeed, datasets imports; the 350M model built on the CPU, moved
+    "tokenizer": 5.0,  # the first run trains the stdlib tokenizer (4096 pieces) for the rest
     "engine": 8.0,  # DeepSpeed's engine, the optimizer, the loader's first batch
     "flex_train": 40.0,  # FlexAttention's forward and backward compiled to Triton, per design that uses it
     "flex_forward": 10.0,  # its forward alone (generation), per design and precision
     "checkpoint": 6.0,  # a 4.3 GB ZeRO 2 checkpoint written or read
     "bench_train": 45.0, "bench_attention": 45.0, "bench_doc_mask": 40.0, "bench_sequence_parallel": 60.0,
+    "bench_train_compiled": 90.0,  # bench_train with our blocks compiled by inductor
 }
 # FlexAttention on a GPU: the score biases (FoX Pro's forget gate too) and the hybrid's window. PoPE runs
 # SDPA, stick-breaking its own kernel, and a model with attention sinks their explicit chunks (`flex`).
 FLEX_DESIGNS = {"alibi", "kerple", "fire", "fox", "fox_pro", "hybrid"}
+PAPER = ("alibi", "coca")  # trained right after the first variant (Origin), before resume and MFU
 DECODE_STEP_S = 0.005  # a 350M decoding step at batch 1: kernel launches, not FLOPs (24 layers x ~15 kernels)
 # Seconds a training step beside the FLOPs: stick-breaking's kernel runs eagerly, 64 query rows at a time,
 # ~27k small kernels a step (8 chunks x 24 layers x 2 micro-batches x ~70: a chunk's forward twice under
 # activation checkpointing, its backward) at ~10 us each.
 EAGER_STEP_S = {"stick_breaking": 0.3}
+BYTES_PER_PARAM = 2 + 4 + 8  # a ZeRO 2 bf16 checkpoint: bf16 weights, fp32 master weights, Adam's two moments
+DISK_RESERVE_GB = 5.0  # left free beside the checkpoints: logs, the tokenizer, compile caches
 
 
 def flex(variant: str) -> bool:
@@ -328,54 +357,119 @@ def flex(variant: str) -> bool:
     return design in FLEX_DESIGNS and "sinks" not in modifiers
 
 
-def flops_per_token(n_layer=24, n_embd=1024, ffn=4096, vocab=4096, seq=512) -> float:
+def params_350m(n_layer=24, n_embd=1024, ffn=4096, vocab=4096) -> int:
+    """A 350M GPT-NeoX's parameters (the paper preset's, tokenizer of 4096 pieces), norms left out."""
+    return n_layer * (4 * n_embd * n_embd + 2 * n_embd * ffn) + vocab * n_embd
+
+
+def flops_per_token(n_layer=24, n_embd=1024, seq=512) -> float:
     """A 350M GPT-NeoX's model FLOPs per trained token: 6 N + 12 L d T (train/flops.py's formula)."""
-    params = n_layer * (4 * n_embd * n_embd + 2 * n_embd * ffn) + vocab * n_embd
-    return 6 * params + 12 * n_layer * n_embd * seq
+    return 6 * params_350m() + 12 * n_layer * n_embd * seq
+
+
+def checkpoint_gb() -> float:
+    """One 350M ZeRO 2 checkpoint, in GB: what each trainer run writes at its last step."""
+    return params_350m() * BYTES_PER_PARAM / 1e9
+
+
+def disk_plan(free_gb: float, ckpt_gb: float, parallel: int, budget_gb: float | None) -> tuple[int, bool, str]:
+    """(trainer runs at once, whether resume fits, a line saying why) for a disk budget: DISK_GB if
+    given (never more than the free space), else the free space less DISK_RESERVE_GB. Each run holds
+    one checkpoint at a time (train_finish removes it); the first run with resume two (its
+    step-RESUME_AT one, then the resumed run's last)."""
+    budget = min(free_gb, budget_gb) if budget_gb is not None else free_gb - DISK_RESERVE_GB
+    fits = max(0, math.floor(budget / ckpt_gb))
+    runs, resume = min(parallel, fits), fits >= 2
+    why = (f"{free_gb:.1f} GB free, budget {budget:.1f} GB, {ckpt_gb:.2f} GB a checkpoint: "
+           f"{runs} trainer run(s) at once (memory allows {parallel})")
+    if not resume:
+        why += "; resume skipped (it needs two checkpoints at once)"
+    if runs == 0:
+        why += "; every trainer stage skipped (not one checkpoint fits)"
+    return runs, resume, why
+
+
+def stage_plan(designs: list[str], parallel: int, gpus: int) -> list[list[str]]:
+    """The check's stages in gpu_check.sh's order, grouped as they run (a trainer wave at once)."""
+    first, rest = designs[0], designs[1:]
+    paper = [d for d in rest if d in PAPER]
+    others = [d for d in rest if d not in PAPER]
+
+    def waves(variants: list[str]) -> list[list[str]]:
+        return [[f"z2_{d}" for d in variants[i : i + parallel]] for i in range(0, len(variants), max(parallel, 1))]
+
+    plan = [["env"], [f"z2_{first}"], *waves(paper), ["resume"], ["bench_train"], *waves(others), ["generation"],
+            ["bench_attention"], ["bench_doc_mask"]]
+    if gpus >= 2:
+        plan.append(["bench_sequence_parallel"])
+    return plan + [["bench_train_compiled"]]
 
 
 def estimate(args) -> int:
-    """Per stage: its model FLOPs, the seconds they take at TRAIN_MFU of an H200, the fixed costs, and
-    the total against the budget; the trainer's variants run `parallel` at a time (the GPU's work
-    adds up, the processes' fixed costs overlap on the CPUs)."""
+    """Per stage: its model FLOPs, the seconds they take at TRAIN_MFU of a Hopper GPU, the fixed costs,
+    and the running total against the budget; trainer runs started at once share the GPU (their work
+    adds up) and overlap their fixed costs on the CPUs. With --tsv, `stage<TAB>seconds` for each stage
+    (a wave's members each get the wave's seconds), which gpu_check.sh prints as each stage starts and
+    uses to skip one that no longer fits."""
     designs = args.designs.split()
     step_flops = args.batch * 512 * flops_per_token() * 4 / 3  # activation checkpointing: one more forward
-    step_s = step_flops / (H200_BF16 * TRAIN_MFU)
+    step_s = step_flops / (HOPPER_BF16 * TRAIN_MFU)
 
-    def trainer(variant: str, checkpoints: int = 0) -> float:
+    def trainer(variant: str, checkpoints: int = 1) -> float:
         return (COSTS["start"] + COSTS["engine"] + COSTS["flex_train"] * flex(variant)
                 + checkpoints * COSTS["checkpoint"])
 
     def work(variant: str, steps: int) -> float:
         return steps * (step_s + EAGER_STEP_S.get(variant.split("+")[0], 0.0))
 
-    rows = [("env", 0.0, COSTS["env"], "install, import")]
-    first, rest = designs[0], designs[1:]
-    waves = [rest[i : i + args.parallel] for i in range(0, len(rest), args.parallel)]  # gpu_check.sh's order
-    train_s = trainer(first, 2) + work(first, args.steps)
-    train_s += sum(max(trainer(d) for d in wave) + sum(work(d, args.steps) for d in wave) for wave in waves)
-    rows.append((f"z2 x {len(designs)}", len(designs) * args.steps * step_flops, train_s,
-                 f"{first} alone (tokenizer, checkpoints), then the other {len(rest)}, {args.parallel} at a time"))
-    after = args.steps - args.resume_at
-    rows.append(("resume", after * step_flops, trainer(first, 1) + work(first, after), f"from step {args.resume_at}"))
-    gen_flops = 2 * len(designs) * (args.prompt + args.new) * flops_per_token() / 3  # forward: 2N per token
-    gen_s = COSTS["start"] + len(designs) * 2 * (args.new * DECODE_STEP_S + 0.5)
-    gen_s += sum(2 * COSTS["flex_forward"] for d in designs if flex(d))
-    rows.append(("generation", gen_flops, gen_s, "every variant, fp32 and bf16, greedy over the KV cache"))
-    for name in ("bench_train", "bench_attention", "bench_doc_mask"):
-        rows.append((name, 0.0, COSTS[name], "fixed costs and compiles dominate"))
-    if args.gpus >= 2:
-        rows.append(("bench_sequence_parallel", 0.0, COSTS["bench_sequence_parallel"], "two GPUs"))
-    total = sum(seconds for _, _, seconds, _ in rows)
-    print(f"Time estimate for an H200 (dense bf16 {H200_BF16 / 1e12:.0f} TFLOP/s at {TRAIN_MFU:.0%} MFU for "
-          f"the model work, fixed costs assumed per process: bench/gpu_check.py COSTS)\n")
-    print("| stage | model TFLOP | estimated s | what |\n|---|---|---|---|")
-    elapsed = 0.0
-    for name, flops, seconds, what in rows:
+    def variant_of(stage: str) -> str:
+        return stage.removeprefix("z2_")
+
+    rows = []  # (stages, model FLOPs, seconds, what)
+    for group in stage_plan(designs, args.parallel, args.gpus):
+        name = group[0]
+        if name.startswith("z2_"):
+            variants = [variant_of(g) for g in group]
+            if variants[0] == designs[0]:
+                seconds = COSTS["tokenizer"] + trainer(designs[0], 2) + work(designs[0], args.steps)
+                what = f"alone: the tokenizer, checkpoints at {args.resume_at} and {args.steps}"
+            else:
+                seconds = max(trainer(v) for v in variants) + sum(work(v, args.steps) for v in variants)
+                what = f"{len(variants)} at once"
+            rows.append((group, len(variants) * args.steps * step_flops, seconds, what))
+        elif name == "env":
+            rows.append((group, 0.0, COSTS["env"], "install, import"))
+        elif name == "resume":
+            after = args.steps - args.resume_at
+            rows.append((group, after * step_flops, trainer(designs[0], 2) + work(designs[0], after),
+                         f"from step {args.resume_at}"))
+        elif name == "generation":
+            gen_flops = 2 * len(designs) * (args.prompt + args.new) * flops_per_token() / 3  # forward: 2N per token
+            seconds = COSTS["start"] + len(designs) * 2 * (args.new * DECODE_STEP_S + 0.5)
+            seconds += sum(2 * COSTS["flex_forward"] for d in designs if flex(d))
+            rows.append((group, gen_flops, seconds, "every variant, fp32 and bf16, greedy over the KV cache"))
+        else:
+            rows.append((group, 0.0, COSTS[name], "fixed costs and compiles dominate"))
+    print(f"Time estimate for a Hopper GPU (H100 or H200: dense bf16 {HOPPER_BF16 / 1e12:.0f} TFLOP/s at "
+          f"{TRAIN_MFU:.0%} MFU for the model work, fixed costs assumed per process: bench/gpu_check.py COSTS), "
+          f"{args.parallel} trainer run(s) at once\n")
+    print("| stages | model TFLOP | estimated s | by then | what |\n|---|---|---|---|---|")
+    elapsed, lines = 0.0, []
+    for group, flops, seconds, what in rows:
         elapsed += seconds
-        late = "" if elapsed <= args.budget else f" (past the {args.budget:.0f} s budget: skipped if so)"
-        print(f"| {name} | {flops / 1e12:,.0f} | {seconds:.0f} | {what}{late} |")
-    print(f"\ntotal {total:.0f} s of the {args.budget:.0f} s budget")
+        late = "" if elapsed <= args.budget else f" (past the {args.budget:.0f} s budget: skipped, for the rerun)"
+        print(f"| {' '.join(group)} | {flops / 1e12:,.0f} | {seconds:.0f} | {elapsed:.0f} | {what}{late} |")
+        lines += [f"{stage}\t{math.ceil(seconds)}" for stage in group]
+    print(f"\ntotal {elapsed:.0f} s; the budget {args.budget:.0f} s")
+    if args.tsv:
+        Path(args.tsv).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def disk(args) -> int:
+    """Print `<runs at once> <1 if resume fits, else 0>`, then the line that says why (for estimate.md)."""
+    runs, resume, why = disk_plan(args.free_gb, args.ckpt_gb, args.parallel, args.budget_gb)
+    print(f"{runs} {int(resume)}\n{why}")
     return 0
 
 
@@ -406,7 +500,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skipped", help="the stage did not run: why")
     p.add_argument("--note")
     p.add_argument("--meta", action="append", help="key=value stored with the stage")
-    p = sub.add_parser("estimate", help="the check's time on an H200, per stage, from FLOPs and fixed costs")
+    p = sub.add_parser("checkpoint-gb", help="the size of one 350M ZeRO 2 checkpoint, in GB")
+    p = sub.add_parser("disk", help="trainer runs at once and whether resume fits, for the disk budget")
+    p.add_argument("--free-gb", type=float, required=True, help="df's free space where the runs write")
+    p.add_argument("--ckpt-gb", type=float, required=True, help="one checkpoint's size")
+    p.add_argument("--parallel", type=int, required=True, help="the runs at once the GPU's memory allows")
+    p.add_argument("--budget-gb", type=float, help="DISK_GB: at most this much (default: free less 5 GB)")
+    p = sub.add_parser("estimate", help="the check's time on a Hopper GPU, per stage, from FLOPs and fixed costs")
     p.add_argument("--designs", required=True, help="the trainer's variants, <design>[+<modifier>...], space-separated")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--resume-at", type=int, required=True)
@@ -415,10 +515,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--budget", type=float, default=480.0)
+    p.add_argument("--budget", type=float, default=330.0)
+    p.add_argument("--tsv", help="write stage<TAB>estimated seconds here")
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return estimate(args)
+    if args.command == "disk":
+        return disk(args)
+    if args.command == "checkpoint-gb":
+        print(f"{checkpoint_gb():.2f}")
+        return 0
     if args.command == "install":
         return install(args.wheels, args.target, args.plan)
     if args.command == "env":

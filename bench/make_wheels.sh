@@ -4,7 +4,7 @@
 #
 #   bash bench/make_wheels.sh            # -> .whl/ (git-ignored), its size printed at the end
 #   WHEELS=dir bash bench/make_wheels.sh
-#   WITH_PYARROW=0 bash bench/make_wheels.sh   # without the 47 MiB pyarrow wheel (see below)
+#   WITH_PYARROW=1 bash bench/make_wheels.sh   # with the 47 MiB pyarrow wheel (see below; not carried by default)
 #
 # The GPU image (the device README's KINDS.md) has torch, transformers, sentencepiece, numpy,
 # pandas, pyarrow, fsspec, huggingface-hub, tqdm, psutil, py-cpuinfo, msgpack, einops, ninja and
@@ -34,13 +34,15 @@ missing=(
   hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
 )
 # On the image, but our versions need a range: "name==version|range it must be in".
-# pyarrow is most of the folder's size (47 MiB of about 51): its oldest release that datasets 5.2
-# accepts, carried in case the image's is older; WITH_PYARROW=0 leaves it out.
+# pyarrow would be most of the folder's size (47 MiB of about 53) and the image has one: it is not carried
+# (the device call's 64 MiB; bench/gpu_wheels.tsv records what is). datasets 5.2's metadata asks for
+# pyarrow >= 24 but its import does not check; env.txt records the image's version. WITH_PYARROW=1
+# carries datasets' oldest accepted release, for an image whose pyarrow the trainer cannot use.
 conditional=(
   "fsspec==2026.9.0|>=2023.1.0,<=2026.9.0"     # datasets 5.2's range
   "typing-extensions==4.16.0|>=4.14.1"         # pydantic 2.13 needs >= 4.14.1
 )
-if [ "${WITH_PYARROW:-1}" = 1 ]; then
+if [ "${WITH_PYARROW:-0}" = 1 ]; then
   conditional+=("pyarrow==24.0.0|>=24.0.0")    # datasets 5.2 needs pyarrow >= 24
 fi
 # Source-only on PyPI: built here into pure-Python wheels.

@@ -25,9 +25,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import study_design  # noqa: E402  (launch/, beside this file)
-
 from errors import EXIT_INPUT, EXIT_USAGE  # noqa: E402  (after the path)
+from launch import study_design  # noqa: E402  (after the path)
 from train.config import OptimConfig, wsd_decay_start  # noqa: E402
 
 DEFAULTS = {"doses": "750 1500 3000", "decay_fraction": "0.2", "seeds": "origin coca", "top_only": ""}

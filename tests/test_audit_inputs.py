@@ -312,8 +312,7 @@ def test_the_dose_launcher_checks_its_settings_before_training(env, code, needle
 ])
 def test_the_dose_plan_refuses_each_bad_setting(env, code, needle, tmp_path, monkeypatch):
     """launch/dose_plan.py, which the launcher runs first, in this process."""
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    from dose_plan import PlanError, plan
+    from launch.dose_plan import PlanError, plan
 
     _family_files(tmp_path)
     with pytest.raises(PlanError) as refused:
@@ -321,11 +320,10 @@ def test_the_dose_plan_refuses_each_bad_setting(env, code, needle, tmp_path, mon
     assert refused.value.code == code and needle in str(refused.value), str(refused.value)
 
 
-def test_the_dose_plan_of_the_family_file(monkeypatch):
+def test_the_dose_plan_of_the_family_file():
     """The pre-registered plan: doses 750, 1500, 3000 branching where the lower doses' decays start
     (600, 1200), a checkpoint every 600 steps, all six of the top dose's kept; seeds from the file."""
-    monkeypatch.syspath_prepend(str(ROOT / "launch"))
-    from dose_plan import plan
+    from launch.dose_plan import plan
 
     lines = plan({"FAMILY": str(ROOT / "conf" / "study" / "dose.yaml")})
     assert lines[:5] == ["DOSES=(750 1500 3000)", "STARTS=(600 1200 2400)", "EVERY=600", "KEEP=6", "FRACTION=0.2"]

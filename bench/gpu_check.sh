@@ -107,13 +107,13 @@ else
   # 2 micro-batches per optimizer step (32 x 512 = 16,384 tokens).
   budget=${BUDGET_S:-330}; steps=${STEPS:-15}; resume_at=${RESUME_AT:-10}; tol=2e-3
   # Trainer processes at a time: as many as the GPU's memory holds at 10 GiB each. One 350M process
-  # (306M parameters) under ZeRO 2 on one rank holds ~7.8 GB of model states: bf16 weights 0.6, fp32
+  # (306M parameters) under ZeRO 2 on one rank holds ~7.7 GB of model states: bf16 weights 0.6, fp32
   # master weights 1.2, Adam's moments 2.5, the gradient partition 1.2 (fp32: train/engine.py's
   # bf16_gradient_dtypes sets data_types.grad_accum_dtype=fp32; DeepSpeed's default would keep it in
   # bf16, 0.6), DeepSpeed's reduce bucket of 5e8 bf16 elements 1.0 and, with communication_data_type
   # fp32, its fp32 copy while reducing (up to the model's 306M elements, 1.2); ~1 GB of activations
   # (the checkpointed layer inputs 0.4, one layer recomputed in backward, a 64 MB chunk of logits) and
-  # its CUDA context (~0.5): ~9.3 GB, 10 GiB with the caching allocator's slack (none of it measured
+  # its CUDA context (~0.5): ~9.2 GB, 10 GiB with the caching allocator's slack (none of it measured
   # yet). An H200 (~139 GiB) holds 13, an H100 (~79 GiB) 7; the disk budget may allow fewer.
   parallel=${PARALLEL:-$(( gpu_gib >= 20 ? gpu_gib / 10 : 1 ))}
   ckpt_gb=$("$py" bench/gpu_check.py checkpoint-gb)
@@ -236,8 +236,12 @@ train_finish() {
   finish "$1"
   report --stage "$1" --rc "$rc" --seconds "$secs" --run "$work/runs/$1" --meta "design=$2"
   [ "$rc" = 0 ] || failed=1
-  local keep=""; [ "$2" = "$first" ] && [ "$disk_resume" = 1 ] && keep=$(printf 'step_%08d' "$resume_at")
-  for c in "$work/runs/$1"/checkpoints/*; do [ "${c##*/}" = "$keep" ] || rm -rf "$c"; done
+  if [ "$2" = "$first" ] && [ "$disk_resume" = 1 ]; then
+    local keep c; keep=$(printf 'step_%08d' "$resume_at")
+    for c in "$work/runs/$1"/checkpoints/*; do [ "${c##*/}" = "$keep" ] || rm -rf "$c"; done
+  else
+    rm -rf "$work/runs/$1/checkpoints"
+  fi
 }
 # train_wave VARIANT...: $parallel at a time.
 train_wave() {

@@ -251,5 +251,10 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
 
 
 def destroy() -> None:
+    """End the process group through DeepSpeed, which `init` started it through: DeepSpeed's own
+    teardown also drops the groups it cached, which a later engine in the same process would
+    otherwise find destroyed ("Group ... is not registered")."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        import deepspeed.comm
+
+        deepspeed.comm.destroy_process_group()

@@ -1,8 +1,9 @@
 """Shared test fixtures: one thread for tiny ops, the session's small tokenizer, and the one
 trained micro run that the modules reading a trained run (evaluation, generation) share instead of
-each training their own."""
+each training their own, and a one-rank process group for the modules that build engines in-process."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,21 @@ def micro_run(tmp_path_factory) -> Path:
     done = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-rank gloo process group in this process, for the module (DeepSpeed caches its groups:
+    a second group in one process is not usable), the environment restored afterwards."""
+    from train import distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}.items():
+            patch.setenv(key, value)
+        dist.init()
+        yield
+        dist.destroy()

@@ -9,8 +9,6 @@ so the accumulated gradient says which dtype accumulated it."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -35,23 +33,6 @@ class Probe(torch.nn.Module):
 def _cfg(stage: int):
     return to_train_config(compose(["experiment=micro", f"deepspeed=zero{stage}", "deepspeed.precision=bf16",
                                     f"batch_size={MICRO}", "micro_batch_size=1"]))
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """One gloo rank in this process for the module (DeepSpeed caches its groups), environment restored."""
-    from train import distributed as dist
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}.items():
-            patch.setenv(key, value)
-        dist.init()
-        yield
-        dist.destroy()
 
 
 def _engine(config: dict):

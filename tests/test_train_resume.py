@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -109,24 +108,6 @@ def test_null_kv_heads_and_n_head_are_one_shape(tmp_path):
 
 
 # ---------------------------------------------------------------- the optimizer really uses the new settings
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """A one-rank gloo process group in this process, for the module (DeepSpeed caches its groups:
-    a second group in one process is not usable), the environment restored afterwards."""
-    from train import distributed as dist
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}.items():
-            patch.setenv(key, value)
-        dist.init()
-        yield
-        dist.destroy()
 
 
 @pytest.mark.parametrize("stage", [0, 1])

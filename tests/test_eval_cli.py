@@ -84,7 +84,9 @@ def test_all_tasks_with_sweep_report_and_wandb_offline(run, tmp_path):
     offline = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
 
-    assert report.main([str(out), str(out), "--out", str(tmp_path / "cmp")]) == 0
+    twin = tmp_path / "twin"  # a second evaluated run to compare with (one run given twice is refused)
+    shutil.copytree(out, twin)
+    assert report.main([str(out), str(twin), "--out", str(tmp_path / "cmp")]) == 0
     md = (tmp_path / "cmp" / "compare_report.md").read_text()
     assert "| eval (origin) + dynamic:4 |" in md
 

@@ -6,6 +6,7 @@ Llama-3-shaped Hugging Face directory and its export."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -158,7 +159,9 @@ def test_ruler_and_position_loss_end_to_end_on_a_trained_run(micro_run, tmp_path
     assert [r["length"] for r in loss["rows"]] == [32, 64, 128, 256] and len(loss["curves"]["none"]) == 256
     for name in ("ruler.png", "ruler.csv", "position_loss.png", "long_context.md"):
         assert (out / name).stat().st_size > 0
-    assert report.main([str(out), str(out), "--out", str(tmp_path / "cmp")]) == 0
+    twin = tmp_path / "twin"  # a second evaluated run to compare with (one run given twice is refused)
+    shutil.copytree(out, twin)
+    assert report.main([str(out), str(twin), "--out", str(tmp_path / "cmp")]) == 0
     assert "| eval (origin) + dynamic:4 | vt |" in (tmp_path / "cmp" / "compare_long_context.md").read_text()
 
     capsys.readouterr()

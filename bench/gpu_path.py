@@ -297,6 +297,11 @@ def eager_flex(checked: CudaOpCheck | LargestTensor | None = None) -> Iterator[N
 VOCAB, T = 64, 24
 FLEX_RTOL = 1e-4  # float32 kernels that sum in different orders
 DOCUMENTS = torch.tensor([[0] * 7 + [1] * 10 + [2] * 7, [0] * 24])  # boundaries inside rows, and a row of one
+# The compiled kernel's checks: past one 128-token tile, as a CPU runs FlexAttention's dense reference
+# below it (`kernel_path.CPU_DENSE_BELOW`), and 8 mod 16 (lengths torch 2.13's CPU kernel got wrong
+# below a tile); documents end inside the first tile, across the tile boundary, and a row of one.
+FLEX_T = 136
+FLEX_DOCUMENTS = torch.tensor([[0] * 50 + [1] * 80 + [2] * 6, [0] * FLEX_T])
 
 
 def config(key: str, documents: bool, kernel: str = "flex", **overrides) -> ModelConfig:
@@ -388,20 +393,20 @@ def sweep(designs: list[str] | None = None, out=sys.stdout) -> int:
 def flex_against_cpu(key: str, documents: bool) -> float:
     """The largest difference of the forced GPU path's logits (compiled FlexAttention, forward) from
     the CPU kernels' on the same weights, relative to their largest magnitude: with documents and
-    `doc_positions`, or without and then also over a KV-cache continuation (8 queries at 24..31
-    after the same 24 tokens)."""
+    `doc_positions`, or without and then also over a KV-cache continuation (8 queries after the
+    same `FLEX_T` tokens: below one tile, the dense reference on a CPU)."""
     torch.manual_seed(0)
-    cpu = GPT(config(key, documents, kernel="auto")).eval()
-    gpu = GPT(config(key, documents, kernel="flex")).eval()
+    cpu = GPT(config(key, documents, kernel="auto", max_seq_len=FLEX_T + 8)).eval()
+    gpu = GPT(config(key, documents, kernel="flex", max_seq_len=FLEX_T + 8)).eval()
     gpu.load_state_dict(cpu.state_dict())
-    idx = torch.randint(0, VOCAB, (2, T + 8))
-    docs = DOCUMENTS if documents else None
+    idx = torch.randint(0, VOCAB, (2, FLEX_T + 8))
+    docs = FLEX_DOCUMENTS if documents else None
     with torch.no_grad():
-        pairs = [(gpu(idx[:, :T], documents=docs), cpu(idx[:, :T], documents=docs))]
+        pairs = [(gpu(idx[:, :FLEX_T], documents=docs), cpu(idx[:, :FLEX_T], documents=docs))]
         if not documents:  # a KV cache continues one document
             cache = KVCache(gpu.cfg.n_layer)
-            gpu(idx[:, :T], cache=cache)
-            pairs.append((gpu(idx[:, T:], cache=cache), cpu(idx)[:, T:]))
+            gpu(idx[:, :FLEX_T], cache=cache)
+            pairs.append((gpu(idx[:, FLEX_T:], cache=cache), cpu(idx)[:, FLEX_T:]))
     return max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections.abc import Callable, Hashable
 
 import torch
@@ -45,9 +46,31 @@ def _flex_call(q, k, v, score_mod, block_mask, enable_gqa):
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
-# torch's compile errors (inductor's own type where this torch has it)
-_COMPILE_ERRORS = tuple(e for e in (getattr(torch._inductor.exc, "InductorError", None),
-                                    torch._dynamo.exc.BackendCompilerFailed) if e is not None)
+# Below one 128-token tile a CPU runs FlexAttention's dense reference, not inductor's C++ kernel:
+# torch 2.13's kernel returns wrong values there on an AVX2 CPU (measured: lengths 24, 40, 56 and 72
+# with two threads, and a kernel compiled dynamic at 256 tokens run at 24 with one), while the
+# reference is exact and, that short, as cheap.
+CPU_DENSE_BELOW = 128
+
+
+def _dense_flex(q, k, v, score_mod, block_mask, enable_gqa):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
+def _compile_errors() -> tuple[type[Exception], ...]:
+    """torch's compile errors (inductor's own type where this torch has it). A function, not a
+    constant: naming them imports dynamo and inductor, two seconds every CPU process would pay."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return tuple(e for e in (getattr(torch._inductor.exc, "InductorError", None),
+                             torch._dynamo.exc.BackendCompilerFailed) if e is not None)
+
+
 _NOT_DYNAMIC: set[Hashable] = set()  # variants whose dynamic compile inductor could not lower or build
 
 
@@ -100,15 +123,18 @@ def _variant(q, k, v, score_mod, block_mask, enable_gqa: bool) -> Hashable:
 def run_flex(q, k, v, score_mod=None, block_mask=None, enable_gqa: bool = False) -> torch.Tensor:
     """The GPU path's one call of FlexAttention, compiled per variant (`_compiled_flex`), every size
     dynamic, or with torch's automatic dynamic shapes where inductor cannot compile that: Triton
-    kernels on a GPU, C++ on a CPU, where torch has its forward only."""
+    kernels on a GPU, C++ on a CPU, where torch has its forward only (and below `CPU_DENSE_BELOW`
+    tokens the dense reference)."""
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         raise ValueError("model.kernel=flex on a CPU runs forward only (torch's CPU FlexAttention has no "
                          "backward): use it for evaluation and generation, and train with model.kernel=auto")
+    if q.device.type == "cpu" and min(q.shape[-2], k.shape[-2]) < CPU_DENSE_BELOW:
+        return _dense_flex(q, k, v, score_mod, block_mask, enable_gqa)
     variant = _variant(q, k, v, score_mod, block_mask, enable_gqa)
     if variant not in _NOT_DYNAMIC:
         try:
             return _compiled_flex(variant, True)(q, k, v, score_mod, block_mask, enable_gqa)
-        except _COMPILE_ERRORS:
+        except _compile_errors():
             # dynamic where inductor can: on a CPU (torch 2.13) FoX's score modification compiles
             # only with every size dynamic and FIRE's (100 captured tensors) only with the automatic
             # shapes; a variant that fails both raises from the call below

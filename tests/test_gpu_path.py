@@ -20,7 +20,20 @@ import yaml
 from torch.overrides import TorchFunctionMode
 
 import model.kernel_path as attention
-from bench.gpu_path import DOCUMENTS, DTYPES, MODES, VOCAB, Case, CudaOpCheck, config, eager_flex, has_cuda_kernel
+from bench.gpu_path import (
+    DOCUMENTS,
+    DTYPES,
+    FLEX_DOCUMENTS,
+    FLEX_T,
+    MODES,
+    VOCAB,
+    Case,
+    CudaOpCheck,
+    T,
+    config,
+    eager_flex,
+    has_cuda_kernel,
+)
 from model import GPT, KVCache
 from model.config import ModelConfig
 from model.designs import DESIGNS
@@ -280,15 +293,27 @@ def compiled_only():
         yield
 
 
+def _forward_pair(key: str, setting: str, length: int) -> None:
+    """The forced GPU path's forward equals the CPU kernels' at `length` tokens, compiled from one
+    tile on (below it, the dense reference)."""
+    documents = setting != "plain"
+    cpu, gpu = _pair(key, documents, positions=setting == "documents", max_seq_len=length)
+    idx = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(3))
+    docs = (DOCUMENTS if length == T else FLEX_DOCUMENTS) if documents else None
+    attention._compiled_flex.cache_clear()
+    with torch.no_grad():
+        _close(gpu(idx, documents=docs), cpu(idx, documents=docs))
+    assert (attention._compiled_flex.cache_info().currsize > 0) == (length >= attention.CPU_DENSE_BELOW)
+
+
 @pytest.mark.usefixtures("compiled_only")
 @pytest.mark.parametrize("key", ["alibi", "fox"])
 def test_forced_flex_compiled_forward_equals_cpu_kernels(key):
     """The compiled kernel (inductor's C++ FlexAttention on a CPU, as Triton on a GPU) in forward,
-    with documents: ALiBi (a bias of the distance) and FoX (prefix sums restarted per document)."""
-    cpu, gpu = _pair(key, True)
-    idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        _close(gpu(idx, documents=DOCUMENTS), cpu(idx, documents=DOCUMENTS))
+    with documents: ALiBi (a bias of the distance) and FoX (prefix sums restarted per document); and
+    at 24 tokens, below one tile, the dense reference a CPU runs there."""
+    _forward_pair(key, "documents", FLEX_T)
+    _forward_pair(key, "documents", T)
 
 
 @pytest.mark.slow
@@ -299,12 +324,7 @@ def test_forced_flex_compiled_forward_every_design(key, setting):
     """The compiled kernel for every design and setting (a compile per score and mask function)."""
     if setting == "plain" and not (DESIGNS[key].bias or DESIGNS[key].for_layer):
         pytest.skip("no FlexAttention: plain causal attention is SDPA on either path")
-    documents = setting != "plain"
-    cpu, gpu = _pair(key, documents, positions=setting == "documents")
-    idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
-    docs = DOCUMENTS if documents else None
-    with torch.no_grad():
-        _close(gpu(idx, documents=docs), cpu(idx, documents=docs))
+    _forward_pair(key, setting, FLEX_T)
 
 
 def test_forced_flex_refuses_cpu_training():

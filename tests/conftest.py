@@ -21,6 +21,16 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # pytest -n N: the cores are shar
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files with the most slow tests first, the rest in their order: pytest-xdist's workers take
+    whole files (`--dist loadfile`) as they free up, so the long files start first and none is
+    left running alone at the end while the other worker idles."""
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])
+
+
 @pytest.fixture
 def single_thread():
     """One torch thread: for tiny ops, thread start-up costs more than it saves on a shared CPU."""

@@ -1,6 +1,6 @@
 """launch/reproduce_extension.sh runs its whole chain (pilot -> the family's runs -> report) on CPU,
 shortened: a few steps, two seeds, three arms (its own file, so pytest-xdist runs it beside
-tests/test_reproduce.py's chains)."""
+the other launchers' tests)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_reproduce import ROOT, run_script
+from reproduce_chain import ROOT, run_script
 
 TINY_EXTENSION = """metric: passkey
 lengths: [1024]

@@ -9,7 +9,11 @@ fp32 on all cores, runs in the same invocation, so the ratios compare like with 
 
 Cases: `fp32` (all cores), `bf16` (all cores; bf16 weights as DeepSpeed trains them), `fp32-1t`
 (one thread), `compile` (fp32, torch.compile per block), `2x1t` (two one-thread runs at once,
-summed: how `launch/reproduce_study.sh` trains with JOBS=2).
+summed: how `launch/reproduce_study.sh` trains with JOBS=2), `fp32-1t-4layers` and
+`fp32-1t-8layers` (one thread, the preset at 4 and 8 layers: what a deeper study costs). The last
+column is each case's speed against the first case run (fp32 where it runs).
+
+    python -m bench.study_speed --cases fp32-1t fp32-1t-4layers fp32-1t-8layers   # depth's cost
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ CASES = {
     "fp32-1t": ({"OMP_NUM_THREADS": "1"}, []),
     "compile": ({"OMP_NUM_THREADS": str(os.cpu_count())}, ["compile=true"]),
     "2x1t": ({"OMP_NUM_THREADS": "1"}, []),
+    "fp32-1t-4layers": ({"OMP_NUM_THREADS": "1"}, ["model.n_layer=4"]),
+    "fp32-1t-8layers": ({"OMP_NUM_THREADS": "1"}, ["model.n_layer=8"]),
 }
 
 
@@ -67,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             procs = [start(d, args.steps, env, overrides, args.experiment) for d in dirs]
             results[case] = sum(speed(p, d) for p, d in zip(procs, dirs))
             print(f"{case}: {results[case]:.0f} tokens/s", file=sys.stderr, flush=True)
-    base = results.get("fp32")
-    print(f"| case ({args.experiment}, {os.cpu_count()} cores) | tokens/s | vs fp32 |")
+    base_case = "fp32" if "fp32" in results else next(iter(results))
+    print(f"| case ({args.experiment}, {os.cpu_count()} cores) | tokens/s | vs {base_case} |")
     print("|---|---|---|")
     for case, rate in results.items():
-        print(f"| {case} | {rate:.0f} | {rate / base:.2f}x |" if base else f"| {case} | {rate:.0f} | - |")
+        print(f"| {case} | {rate:.0f} | {rate / results[base_case]:.2f}x |")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Learning-rate transfer across widths, with and without muP: a learning-rate sweep at several
-widths, each point one real training run (`python -m train`, the stdlib corpus, 2 layers, 128
-tokens), scored by its final validation loss. Under the standard parametrization the best learning
+widths, each point one real training run (`python -m train`, the stdlib corpus, 2 layers, 8 rows
+of 64 tokens a step), scored by its final validation loss. Under the standard parametrization the best learning
 rate moves as the model widens; under muP (`model.mup=true`, base width the narrowest) it should stay.
 
     OMP_NUM_THREADS=1 python -m bench.lr_transfer --runs runs/lr_transfer --out docs/lr_transfer.png
@@ -21,7 +21,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-WIDTHS = (64, 128, 256)
+WIDTHS = (32, 64, 128)
 LOG2_LRS = tuple(range(-12, -3))  # 2.4e-4 .. 3.1e-2, one grid step = 2x
 
 
@@ -29,16 +29,17 @@ def run_name(mup: bool, width: int, log2_lr: int, optimizer: str) -> str:
     return f"{optimizer}_{'mup' if mup else 'sp'}_w{width}_lr2e{log2_lr}"
 
 
-def overrides(mup: bool, width: int, log2_lr: int, optimizer: str, steps: int, run_dir: Path) -> list[str]:
-    """One sweep point: the model at `width` (4 heads, ffn 4x), under muP relative to the narrowest
-    width or not, everything else fixed (batch 16 x 128 tokens, warmup 10% then cosine)."""
+def overrides(mup: bool, width: int, log2_lr: int, optimizer: str, steps: int, run_dir: Path,
+              base_width: int = WIDTHS[0]) -> list[str]:
+    """One sweep point: the model at `width` (4 heads, ffn 4x), under muP relative to `base_width`
+    or not, everything else fixed (8 rows x 64 tokens a step, warmup 10% then cosine)."""
     lr = 2.0 ** log2_lr
     muon = [f"optim.muon_lr={lr}"] if optimizer == "muon" else []
     return [f"name={run_dir.name}", f"run_dir={run_dir}", f"optim={optimizer}", f"optim.lr={lr}", *muon,
             f"optim.warmup_steps={max(1, steps // 10)}", "model.n_layer=2", "model.n_head=4",
-            f"model.n_embd={width}", f"model.ffn_hidden={4 * width}", "model.max_seq_len=128",
-            f"model.mup={str(mup).lower()}", f"model.mup_base_width={WIDTHS[0]}", "batch_size=16",
-            "micro_batch_size=16", f"max_steps={steps}", f"eval_every={steps}", f"ckpt_every={steps}",
+            f"model.n_embd={width}", f"model.ffn_hidden={4 * width}", "model.max_seq_len=64",
+            f"model.mup={str(mup).lower()}", f"model.mup_base_width={base_width}", "batch_size=8",
+            "micro_batch_size=8", f"max_steps={steps}", f"eval_every={steps}", f"ckpt_every={steps}",
             "eval_batches=16", "logger=none", "seed=1"]
 
 
@@ -121,7 +122,8 @@ def main() -> None:
     def one(point: tuple[bool, int, int]) -> dict:
         mup, width, k = point
         run_dir = args.runs / run_name(mup, width, k, args.optimizer)
-        loss = train_point(run_dir, overrides(mup, width, k, args.optimizer, args.steps, run_dir), args.steps)
+        loss = train_point(run_dir, overrides(mup, width, k, args.optimizer, args.steps, run_dir, args.widths[0]),
+                           args.steps)
         print(f"  {run_dir.name}: val_loss {loss:.4f}", flush=True)
         return {"mup": mup, "width": width, "log2_lr": k, "lr": 2.0 ** k, "val_loss": loss}
 

@@ -187,3 +187,24 @@ def test_mup_run_optimizer_groups_carry_the_lr_factors(optimizer):
                 hidden = found[names[id(p)]] in ("hidden", "output")
                 assert group["lr_scale"] == pytest.approx(0.25 if hidden else 1.0), names[id(p)]
                 assert not (optimizer == "muon" and HIDDEN.fullmatch(names[id(p)]))
+
+
+def test_lr_transfer_sweep_points_compose_and_read_back(tmp_path):
+    """bench/lr_transfer.py: each sweep point is a valid training configuration at its width and
+    learning rate, under muP from the sweep's base width or not; a finished run's final validation
+    loss is read from its metrics, a diverged one is inf, an unfinished one None."""
+    from bench.lr_transfer import final_val_loss, overrides
+    from train.config import compose, to_train_config
+
+    run = tmp_path / "point"
+    for mup in (False, True):
+        args = overrides(mup, 128, -7, "muon", 300, run, base_width=32)
+        cfg = to_train_config(compose([a for a in args if not a.startswith(("name=", "run_dir="))]))
+        assert (cfg.model.n_embd, cfg.model.ffn_hidden, cfg.model.mup, cfg.model.mup_base_width) == (128, 512, mup, 32)
+        assert cfg.optim.name == "muon" and cfg.optim.lr == cfg.optim.muon_lr == 2.0 ** -7 and cfg.max_steps == 300
+    run.mkdir()
+    assert final_val_loss(run, 300) is None
+    (run / "metrics.jsonl").write_text('{"step": 300, "loss": 4.0}\n{"step": 300, "val_loss": 3.5}\n')
+    assert final_val_loss(run, 300) == 3.5 and final_val_loss(run, 400) is None
+    (run / "DIVERGED").write_text("non-finite loss")
+    assert final_val_loss(run, 300) == math.inf

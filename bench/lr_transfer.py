@@ -3,7 +3,7 @@ widths, each point one real training run (`python -m train`, the stdlib corpus, 
 of 64 tokens a step), scored by its final validation loss. Under the standard parametrization the best learning
 rate moves as the model widens; under muP (`model.mup=true`, base width the narrowest) it should stay.
 
-    OMP_NUM_THREADS=1 python -m bench.lr_transfer --runs runs/lr_transfer --out docs/lr_transfer.png
+    OMP_NUM_THREADS=1 python -m bench.lr_transfer --runs runs/lr_transfer --out docs/lr_transfer.png --seeds 1 2
 
 Runs already finished in `--runs` are read, not retrained, so an interrupted sweep continues. The
 table (markdown) goes to stdout and `<runs>/lr_transfer.csv`; the figure to `--out`.
@@ -25,12 +25,12 @@ WIDTHS = (32, 64, 128)
 LOG2_LRS = tuple(range(-12, -3))  # 2.4e-4 .. 3.1e-2, one grid step = 2x
 
 
-def run_name(mup: bool, width: int, log2_lr: int, optimizer: str) -> str:
-    return f"{optimizer}_{'mup' if mup else 'sp'}_w{width}_lr2e{log2_lr}"
+def run_name(mup: bool, width: int, log2_lr: int, optimizer: str, seed: int = 1) -> str:
+    return f"{optimizer}_{'mup' if mup else 'sp'}_w{width}_lr2e{log2_lr}" + (f"_s{seed}" if seed != 1 else "")
 
 
 def overrides(mup: bool, width: int, log2_lr: int, optimizer: str, steps: int, run_dir: Path,
-              base_width: int = WIDTHS[0]) -> list[str]:
+              base_width: int = WIDTHS[0], seed: int = 1) -> list[str]:
     """One sweep point: the model at `width` (4 heads, ffn 4x), under muP relative to `base_width`
     or not, everything else fixed (8 rows x 64 tokens a step, warmup 10% then cosine)."""
     lr = 2.0 ** log2_lr
@@ -40,7 +40,8 @@ def overrides(mup: bool, width: int, log2_lr: int, optimizer: str, steps: int, r
             f"model.n_embd={width}", f"model.ffn_hidden={4 * width}", "model.max_seq_len=64",
             f"model.mup={str(mup).lower()}", f"model.mup_base_width={base_width}", "batch_size=8",
             "micro_batch_size=8", f"max_steps={steps}", f"eval_every={steps}", f"ckpt_every={steps}",
-            "eval_batches=16", "logger=none", "seed=1"]
+            "eval_batches=16", "logger=none", f"seed={seed}",
+            f"data.seed={1233 + seed}"]  # seed 1: the default data order
 
 
 def final_val_loss(run_dir: Path, steps: int) -> float | None:
@@ -111,29 +112,38 @@ def main() -> None:
     parser.add_argument("--log2-lrs", type=int, nargs="+", default=list(LOG2_LRS))
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1],
+                        help="replicates (training and data-order seed); each point is their mean")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (give each OMP_NUM_THREADS=1)")
     args = parser.parse_args()
     if args.jobs < 1 or args.steps < 1:
         parser.error("--jobs and --steps must be at least 1")
     args.runs.mkdir(parents=True, exist_ok=True)
-    points = [(mup, w, k) for mup in (False, True) for w in args.widths for k in args.log2_lrs
-              if not (mup and w == args.widths[0])]  # at the base width muP is the standard model
+    # at the base width muP is the standard model: trained once, drawn in both panels
+    points = [(mup, w, k, seed) for seed in args.seeds for mup in (False, True) for w in args.widths
+              for k in args.log2_lrs if not (mup and w == args.widths[0])]
 
-    def one(point: tuple[bool, int, int]) -> dict:
-        mup, width, k = point
-        run_dir = args.runs / run_name(mup, width, k, args.optimizer)
-        loss = train_point(run_dir, overrides(mup, width, k, args.optimizer, args.steps, run_dir, args.widths[0]),
-                           args.steps)
+    def one(point: tuple[bool, int, int, int]) -> dict:
+        mup, width, k, seed = point
+        run_dir = args.runs / run_name(mup, width, k, args.optimizer, seed)
+        loss = train_point(run_dir, overrides(mup, width, k, args.optimizer, args.steps, run_dir, args.widths[0],
+                                              seed), args.steps)
         print(f"  {run_dir.name}: val_loss {loss:.4f}", flush=True)
-        return {"mup": mup, "width": width, "log2_lr": k, "lr": 2.0 ** k, "val_loss": loss}
+        return {"mup": mup, "width": width, "log2_lr": k, "lr": 2.0 ** k, "seed": seed, "val_loss": loss}
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(one, points))
-    rows += [{**r, "mup": True} for r in rows if not r["mup"] and r["width"] == args.widths[0]]
+        runs = list(pool.map(one, points))
+    runs += [{**r, "mup": True} for r in runs if not r["mup"] and r["width"] == args.widths[0]]
     with open(args.runs / "lr_transfer.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["mup", "width", "log2_lr", "lr", "val_loss"])
+        writer = csv.DictWriter(f, fieldnames=["mup", "width", "log2_lr", "lr", "seed", "val_loss"])
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(runs)
+    rows = []  # one per point: the mean over seeds (inf if any diverged)
+    for key in dict.fromkeys((r["mup"], r["width"], r["log2_lr"]) for r in runs):
+        losses = [r["val_loss"] for r in runs if (r["mup"], r["width"], r["log2_lr"]) == key]
+        rows.append({"mup": key[0], "width": key[1], "log2_lr": key[2], "lr": 2.0 ** key[2],
+                     "val_loss": sum(losses) / len(losses)})
+    print(f"\nmean of seeds {', '.join(map(str, args.seeds))}")
     print(f"\n| parametrization | {' | '.join(f'width {w}' for w in args.widths)} |")
     print(f"|---|{'---|' * len(args.widths)}")
     for mup in (False, True):

@@ -77,10 +77,9 @@ def train_point(run_dir: Path, args: list[str], steps: int) -> float:
 
 
 def plot(rows: list[dict], widths: tuple[int, ...], optimizer: str, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from eval.plots import save  # sets matplotlib's file-only backend
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     finite = [r["val_loss"] for r in rows if math.isfinite(r["val_loss"])]
@@ -97,11 +96,12 @@ def plot(rows: list[dict], widths: tuple[int, ...], optimizer: str, out: Path) -
         ax.set_xlabel("learning rate (muP: at the base width)" if mup else "learning rate")
         ax.set_title(f"{'muP' if mup else 'standard parametrization'} ({optimizer})")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("final validation loss (diverged runs not drawn; star: best)")
+    axes[0].set_ylabel("final validation loss, seed mean")
+    fig.suptitle("star: each width's best learning rate; a diverged run is not drawn", fontsize=9, y=0.02)
     axes[1].legend()
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    save(fig, out, dpi=110)  # a palette PNG, as every committed figure
 
 
 def main() -> None:

@@ -52,6 +52,15 @@ def _field_retrieval() -> list[Path]:
                                                      "drope"))
 
 
+def _muon() -> list[Path]:
+    """launch/reproduce_perplexity.sh's order with PUBLISHED (conf/study/muon.yaml's command): seed by
+    seed, the perplexity study's AdamW Origin and CoCA runs, then the Muon runs published here."""
+    return [folder / f"{name}_s{seed}" for seed in range(1, 11)
+            for folder, name in ((RESULTS / "perplexity", "origin"), (RESULTS / "perplexity", "coca"),
+                                 (RESULTS / "muon", "origin_muon"), (RESULTS / "muon", "coca_muon"))
+            if (folder / f"{name}_s{seed}").is_dir()]
+
+
 REPORTS = {
     "pilot": (lambda: sorted(RESULTS.joinpath("pilot").glob("*_s?")), aggregate.FAMILY_FILE),
     "perplexity/pilot": (lambda: _study_runs(RESULTS / "perplexity" / "pilot", ("origin",)),
@@ -69,6 +78,7 @@ REPORTS = {
                   aggregate.FAMILY_FILE.with_name("field_ppl.yaml")),
     "field_retrieval": (_field_retrieval, aggregate.FAMILY_FILE.with_name("field_retrieval.yaml")),
     "field_retrieval/bar_only": (_field_retrieval, aggregate.FAMILY_FILE.with_name("field_retrieval.yaml")),
+    "muon": (_muon, aggregate.FAMILY_FILE.with_name("muon.yaml")),
 }
 
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 WIDTHS = (32, 64, 128)
-LOG2_LRS = tuple(range(-12, -3))  # 2.4e-4 .. 3.1e-2, one grid step = 2x
+LOG2_LRS = tuple(range(-11, -4))  # 4.9e-4 .. 3.1e-2, one grid step = 2x
 
 
 def run_name(mup: bool, width: int, log2_lr: int, optimizer: str, seed: int = 1) -> str:

@@ -54,11 +54,10 @@ CPU_DENSE_BELOW = 128
 
 
 def _dense_flex(q, k, v, score_mod, block_mask, enable_gqa):
-    from torch.nn.attention.flex_attention import flex_attention
-
+    """`_flex_call` uncompiled, on purpose: torch's warning about that is not news here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+        return _flex_call(q, k, v, score_mod, block_mask, enable_gqa)
 
 
 def _compile_errors() -> tuple[type[Exception], ...]:

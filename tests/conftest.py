@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     """The files with the most slow tests first, the rest in their order: pytest-xdist's workers take
     whole files (`--dist loadfile`) as they free up, so the long files start first and none is
     left running alone at the end while the other worker idles."""
-    slow: dict[Path, int] = {}
-    for item in items:
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[item.path])
 
 

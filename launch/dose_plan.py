@@ -4,7 +4,10 @@ Reads FAMILY, DOSES, FRACTION, DESIGNS, SEEDS and TOP_ONLY from the environment 
 setting given there overrides the family file's, which overrides the default) and prints the plan
 as shell assignments for the launcher to `eval`: the doses sorted, where each one's WSD decay
 starts (its next dose branches there), the checkpoint interval landing on every such step, how many
-checkpoints to keep, and each design's seeds. A bad setting is one `error:` line naming it (exit 2;
+checkpoints to keep, each design's seeds, the designs the family file trains at one dose alone
+(`one_dose: {design: steps}`, from scratch; `top_only` is the same at the top dose) and the
+attention statistics' overrides run after each perplexity evaluation (`attention_eval`, a list;
+none: no attention task). A bad setting is one `error:` line naming it (exit 2;
 a family file that is missing or not YAML: exit 1, an unusable input), before any run starts.
 
     eval "$(python launch/dose_plan.py)"
@@ -118,14 +121,39 @@ def plan(env: dict[str, str]) -> list[str]:
         except SystemExit as refused:  # its one line, which names the known designs
             raise PlanError(f"DESIGNS: {str(refused.code).removeprefix('error: ')}") from None
     top_only = names("TOP_ONLY", setting(env, family, "TOP_ONLY", "top_only"))
+    one_dose = {design: doses[-1] for design in top_only} | one_doses(family, doses, designs)
     every = math.gcd(*starts[:-1], doses[-1])
     lines = [f"DOSES=({' '.join(map(str, doses))})", f"STARTS=({' '.join(map(str, starts))})",
              f"EVERY={every}", f"KEEP={doses[-1] // every + 1}", f"FRACTION={shlex.quote(fraction_text)}",
-             f"DESIGNS={shlex.quote(' '.join(designs))}", f"TOP_ONLY={shlex.quote(' '.join(top_only))}",
-             "declare -gA SEEDS_OF=()"]
+             f"DESIGNS={shlex.quote(' '.join(designs))}", f"ATTENTION={shlex.quote(attention_eval(family))}",
+             "declare -gA SEEDS_OF=() ONE_DOSE_OF=()"]
     for design in designs:
         lines.append(f"SEEDS_OF[{design}]={shlex.quote(' '.join(map(str, seeds_of(env, family, design))))}")
+        if design in one_dose:
+            lines.append(f"ONE_DOSE_OF[{design}]={doses.index(one_dose[design])}")
     return lines
+
+
+def one_doses(family: dict[str, Any], doses: list[int], designs: list[str]) -> dict[str, int]:
+    """The family file's `one_dose` of `designs`: design -> the one dose (one of `doses`) it trains,
+    from scratch."""
+    found = family.get("one_dose") or {}
+    if not isinstance(found, dict):
+        raise PlanError("one_dose is a mapping {design: steps}", EXIT_INPUT)
+    found = {design: dose for design, dose in found.items() if design in designs}
+    for design, dose in found.items():
+        if dose not in doses:
+            raise PlanError(f"one_dose: {design}'s {dose} is not one of the doses ({' '.join(map(str, doses))})",
+                            EXIT_INPUT)
+    return dict(found)
+
+
+def attention_eval(family: dict[str, Any]) -> str:
+    """The family file's `attention_eval` overrides, space separated ('' without them)."""
+    found = family.get("attention_eval") or []
+    if not isinstance(found, list) or not all(isinstance(x, str) and " " not in x for x in found):
+        raise PlanError("attention_eval is a list of `python -m eval` overrides without spaces", EXIT_INPUT)
+    return " ".join(found)
 
 
 def seeds_of(env: dict[str, str], family: dict[str, Any], design: str) -> list[int]:

@@ -6,7 +6,9 @@
 # from the previous dose's last stable checkpoint, so doses 750, 1500, 3000 cost 750 + 900 + 1800
 # steps instead of 5250 (a branch is bitwise the run its schedule would train from scratch:
 # tests/test_train_wsd.py). A design in the file's `top_only` trains its top dose alone, from
-# scratch. Every run is evaluated as the perplexity study evaluates (sliding-window perplexity on
+# scratch; one in its `one_dose` ({design: steps}) that dose alone. With `attention_eval` (a list
+# of overrides), each run's attention statistics (`python -m eval task=attention`) follow its
+# perplexity and are published beside it. Every run is evaluated as the perplexity study evaluates (sliding-window perplexity on
 # the same 20 held-out documents at 1x .. 32x, as trained and with dynamic NTK 8 where the design
 # has RoPE) and published as <design>_d<steps>_s<seed> with its config, results, machine.txt and
 # cost.json (wall seconds of training, every start of it, and of evaluation); then `python -m eval.dose`
@@ -19,7 +21,7 @@
 #
 # Environment: RUNS (default runs/dose; a chain whose next dose needs a checkpoint that is no longer
 # there retrains the dose below it, unpublished), FAMILY (the pre-registration: its doses,
-# decay_fraction, seeds per design and top_only), DESIGNS, SEEDS, DOSES, FRACTION, TOP_ONLY
+# decay_fraction, seeds per design, top_only, one_dose and attention_eval), DESIGNS, SEEDS, DOSES, FRACTION, TOP_ONLY
 # (override the file's, or stand alone without it), JOBS (chains at once, default 2, one thread
 # each), RESULTS (where finished runs and the report are published; commit it, and the study
 # continues on another machine where it stopped), TRAIN and EVAL (training and evaluation overrides,
@@ -54,8 +56,8 @@ export PRESET=study_ppl SCALINGS
 mkdir -p "$RUNS/logs"
 if [ "$JOBS" -gt 1 ]; then export OMP_NUM_THREADS=1; fi
 
-doses_of() {  # design: the indices of its doses (the top alone for a top_only design)
-  if [[ " $TOP_ONLY " == *" $1 "* ]]; then echo $((${#DOSES[@]} - 1)); else seq 0 $((${#DOSES[@]} - 1)); fi
+doses_of() {  # design: the indices of its doses (one alone for a top_only or one_dose design)
+  if [ -n "${ONE_DOSE_OF[$1]:-}" ]; then echo "${ONE_DOSE_OF[$1]}"; else seq 0 $((${#DOSES[@]} - 1)); fi
 }
 
 name_of() { echo "$1_d$2_s$3"; }  # design dose seed
@@ -91,6 +93,10 @@ evaluate_dose() {  # design seed dose: evaluate and publish
   if [ ! -f "$run_dir/eval/DONE" ]; then
     # shellcheck disable=SC2086  # EVAL is a list of overrides
     python -m eval run="$run_dir" task=ppl scalings="$(scalings_of "$design")" progress=false $EVAL || return 1
+    if [ -n "$ATTENTION" ]; then  # the family's attention statistics (sink share, ...): attention.json
+      # shellcheck disable=SC2086  # ATTENTION is a list of overrides
+      python -m eval run="$run_dir" task=attention progress=false $ATTENTION || return 1
+    fi
     echo $((SECONDS - t0)) > "$run_dir/eval/seconds"
     touch "$run_dir/eval/DONE"
   fi

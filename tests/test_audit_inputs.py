@@ -330,6 +330,25 @@ def test_the_dose_plan_of_the_family_file():
     assert "SEEDS_OF[alibi]='1 2 3 4'" in lines and "SEEDS_OF[origin]='1 2 3 4 5 6 7 8 9 10'" in lines
 
 
+def test_the_dose_extension_plan_trains_the_depth_arm_at_one_dose_with_attention_statistics(tmp_path):
+    """conf/study/dose_extension.yaml: chains to 12000 steps (branches where each lower dose's decay
+    starts), the 4-layer variants at 1500 steps alone (index 1 of the doses), the attention task's
+    overrides; a one_dose outside the doses is refused in one line."""
+    from launch.dose_plan import PlanError, plan
+
+    family = ROOT / "conf" / "study" / "dose_extension.yaml"
+    lines = plan({"FAMILY": str(family)})
+    assert lines[:4] == ["DOSES=(750 1500 3000 6000 12000)", "STARTS=(600 1200 2400 4800 9600)", "EVERY=600", "KEEP=21"]
+    assert "ONE_DOSE_OF[origin_l4]=1" in lines and "ONE_DOSE_OF[coca_l4]=1" in lines
+    assert not any(line.startswith("ONE_DOSE_OF[origin]") for line in lines)
+    assert "ATTENTION='attention.scalings=[none] attention.head_lengths=[256,1024,4096]'" in lines
+    assert "SEEDS_OF[coca]='1 2 3 4 5 6'" in lines
+    with pytest.raises(PlanError, match="one_dose: origin_l4's 1500 is not one of the doses"):
+        plan({"FAMILY": str(family), "DOSES": "10 20", "SEEDS": "1"})
+    assert any(line.startswith("DOSES=(10 20)") for line in plan({"FAMILY": str(family), "DOSES": "10 20",
+                                                                   "SEEDS": "1", "DESIGNS": "origin"}))
+
+
 @pytest.mark.parametrize("script", ["reproduce_dose.sh", "reproduce_study.sh", "reproduce_designs.sh",
                                     "reproduce_perplexity.sh", "reproduce_extension.sh"])
 @pytest.mark.parametrize("jobs", ["0", "1.5"])

@@ -12,7 +12,18 @@ With `--family`, the pre-registered tests come first, Holm-adjusted together:
   per design and seed: its doses share their first steps, `branch_from`), compared between the
   designs as above: the mean difference of g is a's effect at the top dose minus at the lowest;
 - `growth` (one design): the mean of g, tested by exact sign flips over seeds (the two doses of a
-  chain are paired).
+  chain are paired), or with `method: t` by a one-sample t-test (sign flips over 6 seeds cannot go
+  below p = 2/64);
+- `interaction` (a - b at `dose`) - (a0 - b0 at `dose0`): e.g. a depth arm's gap against the
+  2-layer gap at the same tokens per parameter; Welch's t-test on the four groups (Satterthwaite
+  df), its interval the seed bootstrap of each group;
+- `correlation` (one design): per chain, Spearman's rho across its doses between the ppl ratio and
+  the test's metric; the mean rho over chains, one-sample t-test.
+A test names its `dose` (a `difference` at that dose alone), its `low` and `top` doses (`trend`,
+`growth`; default the family's lowest and top), and its `metric`: `ppl_ratio` (default) or
+`sink_retention`, log(S_beyond / S_1x) from the run's attention statistics (attention.json: the
+first token's attention share over every layer and head, S_1x on the training-length segment,
+S_beyond over the queries past the training length of the test's length).
 
 Every other number (the other lengths, the pairs not registered, `--reference` runs placed on the
 figure) is exploratory and labelled so. The report regenerates byte for byte: fixed bootstrap
@@ -51,7 +62,9 @@ if TYPE_CHECKING:
 
 RUN_NAME = re.compile(r"(?P<design>.+)_d(?P<dose>\d+)_s(?P<seed>\d+)")
 REFERENCE_NAME = re.compile(r"(?P<design>.+)_s(?P<seed>\d+)")
-TESTS = ("difference", "trend", "growth")
+TESTS = ("difference", "trend", "growth", "interaction", "correlation")
+ONE_GROUP = ("growth", "correlation")  # tests of one design's chains
+METRICS = ("ppl_ratio", "sink_retention")
 
 
 @dataclass
@@ -67,10 +80,25 @@ class DoseRun:
     ratios: dict[tuple[str, int], float]
     cost: dict = field(default_factory=dict)
     machine: str = ""
+    sinks: dict[tuple[str, int], tuple[float, float | None]] = field(default_factory=dict)  # (scaling, length) ->
+    # the first token's mean attention share over layers, heads and queries (all, past the training length)
 
     @property
     def tokens_per_param(self) -> float:
         return self.tokens / self.non_embedding
+
+    def sink_retention(self, scaling: str, length: int) -> float | None:
+        """log(S_beyond at `length` / S_1x at the training length), or None without both."""
+        whole, beyond = self.sinks.get((scaling, self.train_len), (None, None)), self.sinks.get((scaling, length))
+        if whole[0] is None or beyond is None or beyond[1] is None or whole[0] <= 0 or beyond[1] <= 0:
+            return None
+        return math.log(beyond[1] / whole[0])
+
+    def value(self, metric: str, scaling: str, length: int) -> float | None:
+        """The run's `metric` (METRICS) at one scaling and length, or None where it was not measured."""
+        if metric == "sink_retention":
+            return self.sink_retention(scaling, length)
+        return self.ratios.get((scaling, length))
 
 
 def load_run(path: Path, pattern: re.Pattern = RUN_NAME) -> DoseRun:
@@ -101,11 +129,31 @@ def load_run(path: Path, pattern: re.Pattern = RUN_NAME) -> DoseRun:
     machine = (path / "machine.txt").read_text().strip().splitlines() if (path / "machine.txt").is_file() else []
     steps = int(match.group("dose")) if "dose" in pattern.groupindex else cfg.max_steps
     design = match.group("design")
-    if design not in DESIGNS:
+    if design not in DESIGNS and "dose" not in pattern.groupindex:  # a dose run keeps its name (a variant's)
         design = design_of(cfg.model.attention, cfg.model.design_params).key
+    attention = result_file(path, "attention.json") or result_file(path / "eval", "attention.json")
+    sinks = _sink_shares(read_json(attention, "delete it and rerun `python -m eval task=attention` for that run"),
+                         attention) if attention else {}
     return DoseRun(design, steps, int(match.group("seed")), cfg.model.max_seq_len,
                    steps * cfg.batch_size * cfg.model.max_seq_len, count_parameters(cfg.model)["non_embedding"],
-                   ratios, cost, machine[-1] if machine else "")
+                   ratios, cost, machine[-1] if machine else "", sinks)
+
+
+def _sink_shares(result: object, path: Path) -> dict[tuple[str, int], tuple[float, float | None]]:
+    """(scaling, length) -> the first token's share averaged over layers and heads (each head's over
+    its queries), over all queries and over those past the training length (None where none are)."""
+    heads = result.get("heads") if isinstance(result, dict) else None
+    if not isinstance(heads, list):
+        raise DataError(f"{path} is not a `python -m eval task=attention` result (needs a heads list)")
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for head in heads:
+        cells.setdefault((str(head["scaling"]), int(head["length"])), []).append(head)
+    out = {}
+    for key, rows in cells.items():
+        beyond = [r["sink_share_beyond"] for r in rows]
+        out[key] = (float(np.mean([r["sink_share"] for r in rows])),
+                    None if None in beyond else float(np.mean(beyond)))
+    return out
 
 
 def _train_config(path: Path) -> TrainConfig:
@@ -149,8 +197,17 @@ def load_family(path: Path) -> DoseFamily:
         for t in tests:
             if t["test"] not in TESTS or not {"length", "scaling"} <= set(t):
                 raise ValueError(f"{t}: test must be one of {', '.join(TESTS)}, with length and scaling")
-            if (t["test"] == "growth") != ("design" in t) or (t["test"] != "growth") != ({"a", "b"} <= set(t)):
-                raise ValueError(f"{t}: growth names a design; difference and trend name a and b")
+            one = t["test"] in ONE_GROUP
+            if one != ("design" in t) or (not one) != ({"a", "b"} <= set(t)):
+                raise ValueError(f"{t}: growth and correlation name a design; the others name a and b")
+            if t["test"] == "interaction" and not {"a0", "b0", "dose", "dose0"} <= set(t):
+                raise ValueError(f"{t}: interaction names a, b at dose and a0, b0 at dose0")
+            if t.get("metric", "ppl_ratio") not in METRICS or t.get("method", "sign_flip") not in ("sign_flip", "t"):
+                raise ValueError(f"{t}: metric is one of {', '.join(METRICS)}; method sign_flip or t")
+            ratio = t.get("metric", "ppl_ratio") == "ppl_ratio"
+            if ratio == (t["test"] == "correlation") and t["test"] != "difference":
+                raise ValueError(f"{t}: a correlation relates the ppl ratio to another metric; trend, growth and "
+                                 "interaction read the ppl ratio")
     except (yaml.YAMLError, AttributeError, KeyError, TypeError, ValueError) as e:
         raise DataError(f"--family {path} needs doses, alpha and a family of tests ({type(e).__name__}: {e})") from None
     if raw.get("metric") != "ppl_ratio" or raw.get("adjust") != "holm":
@@ -158,16 +215,31 @@ def load_family(path: Path) -> DoseFamily:
     return family
 
 
-def _values(runs: Sequence[DoseRun], design: str, dose: int, scaling: str, length: int) -> dict[int, float]:
-    """Seed -> ratio of one design at one dose."""
-    return {r.seed: r.ratios[(scaling, length)] for r in runs
-            if r.design == design and r.dose == dose and (scaling, length) in r.ratios}
+def _values(runs: Sequence[DoseRun], design: str, dose: int, scaling: str, length: int,
+            metric: str = "ppl_ratio") -> dict[int, float]:
+    """Seed -> `metric` (the ratio by default) of one design at one dose."""
+    found = {r.seed: r.value(metric, scaling, length) for r in runs if r.design == design and r.dose == dose}
+    return {seed: value for seed, value in found.items() if value is not None}
 
 
 def growth(runs: Sequence[DoseRun], design: str, low: int, top: int, scaling: str, length: int) -> dict[int, float]:
     """Seed -> ratio at the top dose minus at the lowest, for the seeds that have both."""
     at_low, at_top = (_values(runs, design, d, scaling, length) for d in (low, top))
     return {seed: at_top[seed] - at_low[seed] for seed in sorted(at_low.keys() & at_top.keys())}
+
+
+def chain_correlations(runs: Sequence[DoseRun], design: str, metric: str, scaling: str,
+                       length: int) -> dict[int, float]:
+    """Seed -> Spearman's rho across the chain's doses between the ppl ratio and `metric`, for the
+    chains with both at three doses or more (rho of a constant is undefined: such a chain is left out)."""
+    out = {}
+    for seed in sorted({r.seed for r in runs if r.design == design}):
+        pairs = [(r.ratios.get((scaling, length)), r.value(metric, scaling, length))
+                 for r in sorted(runs, key=attrgetter("dose")) if r.design == design and r.seed == seed]
+        pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+        if len(pairs) >= 3 and len({x for x, _ in pairs}) > 1 and len({y for _, y in pairs}) > 1:
+            out[seed] = float(stats.sps.spearmanr(*zip(*pairs)).statistic)
+    return out
 
 
 def sign_flip_p(values: Sequence[float]) -> float:
@@ -210,38 +282,79 @@ def _two_groups(a: Sequence[float], b: Sequence[float], key: str, resamples: int
                   "detectable": stats.detectable_difference(sd, len(a), len(b), alpha, m) if sd == sd else math.nan}
 
 
-def _one_group(g: Sequence[float], key: str, resamples: int, m: int, alpha: float) -> dict:
+def _z(alpha: float, m: int) -> float:
+    """Holm's first level, two-sided, plus 80% power: the detectable effect in standard errors."""
+    return float(stats.sps.norm.ppf(1 - alpha / (2 * m)) + stats.sps.norm.ppf(stats.POWER))
+
+
+def _one_group(g: Sequence[float], key: str, resamples: int, m: int, alpha: float, method: str = "sign_flip") -> dict:
     row = {"n_a": len(g), "n_b": len(g)}
-    if not g:
+    if not g or (method == "t" and (len(g) < 2 or stats.sample_sd(g) == 0)):  # t undefined: not tested (p = 1)
         return row | {"tested": False, "p": math.nan}
     low, high = _interval_of_mean(g, key, resamples)
     sd = stats.sample_sd(g)
-    z = stats.sps.norm.ppf(1 - alpha / (2 * m)) + stats.sps.norm.ppf(stats.POWER)
-    detectable = float(z * sd / math.sqrt(len(g))) if sd == sd else math.nan
-    return row | {"tested": True, "effect": float(np.mean(g)), "low": low, "high": high, "p": sign_flip_p(g),
-                  "smallest_p": 2.0 / 2 ** len(g), "detectable": detectable}
+    detectable = float(_z(alpha, m) * sd / math.sqrt(len(g))) if sd == sd else math.nan
+    if method == "t":
+        p, smallest = float(stats.sps.ttest_1samp(g, 0.0).pvalue), 0.0
+    else:
+        p, smallest = sign_flip_p(g), 2.0 / 2 ** len(g)
+    return row | {"tested": True, "effect": float(np.mean(g)), "low": low, "high": high, "p": p,
+                  "smallest_p": smallest, "detectable": detectable}
+
+
+def _interaction(groups: Sequence[Sequence[float]], key: str, resamples: int, m: int, alpha: float) -> dict:
+    """(mean a - mean b) - (mean a0 - mean b0) of four independent seed groups: Welch's t-test
+    (Satterthwaite df), the seed bootstrap of each group for the interval."""
+    a, b, a0, b0 = groups
+    row = {"n_a": len(a) + len(b), "n_b": len(a0) + len(b0)}
+    if min(map(len, groups)) < 2:
+        return row | {"tested": False, "p": math.nan}
+    signs = (1.0, -1.0, -1.0, 1.0)
+    effect = sum(sign * float(np.mean(g)) for sign, g in zip(signs, groups))
+    parts = [stats.sample_sd(g) ** 2 / len(g) for g in groups]
+    se = math.sqrt(sum(parts))
+    df = sum(parts) ** 2 / sum(v ** 2 / (len(g) - 1) for v, g in zip(parts, groups))
+    p = float(2 * stats.sps.t.sf(abs(effect) / se, df)) if se > 0 else math.nan
+    replicates = sum(sign * _bootstrap(g, f"{key}|{i}", resamples) for i, (sign, g) in enumerate(zip(signs, groups)))
+    low, high = stats.percentile_interval(replicates)
+    return row | {"tested": se > 0, "effect": effect, "low": low, "high": high, "p": p, "smallest_p": 0.0,
+                  "detectable": _z(alpha, m) * se}
 
 
 def family_tests(runs: Sequence[DoseRun], family: DoseFamily) -> list[dict]:
     """One row per registered test (a `difference` once per dose), Holm-adjusted together; a test
     without runs enters with p = 1, so the family keeps its registered size."""
-    low, top = family.doses[0], family.doses[-1]
-    planned = [(t, dose) for t in family.tests for dose in (family.doses if t["test"] == "difference" else (None,))]
+    planned = [(t, dose) for t in family.tests
+               for dose in ((t["dose"],) if "dose" in t else family.doses if t["test"] == "difference" else (None,))]
     m, rows = len(planned), []
     for t, dose in planned:
-        scaling, length = str(t["scaling"]), int(t["length"])
+        scaling, length, metric = str(t["scaling"]), int(t["length"]), t.get("metric", "ppl_ratio")
+        low, top = int(t.get("low", family.doses[0])), int(t.get("top", family.doses[-1]))
+        name = t["test"] if metric == "ppl_ratio" else f"{t['test']} ({metric})"
         key = f"{t['test']}|{t.get('a', t.get('design'))}|{t.get('b')}|{dose}|{scaling}|{length}"
-        row = {"test": t["test"], "a": t.get("a", t.get("design")), "b": t.get("b", ""), "dose": dose or f"{top}-{low}",
+        if metric != "ppl_ratio":
+            key += f"|{metric}"
+        row = {"test": name, "a": t.get("a", t.get("design")), "b": t.get("b", ""), "dose": dose or f"{top}-{low}",
                "scaling": scaling, "length": length}
+        args = (key, family.resamples, m, family.alpha)
         if t["test"] == "difference":
-            a, b = (list(_values(runs, t[k], dose, scaling, length).values()) for k in ("a", "b"))
-            row |= _two_groups(a, b, key, family.resamples, m, family.alpha)
+            a, b = (list(_values(runs, t[k], dose, scaling, length, metric).values()) for k in ("a", "b"))
+            row |= _two_groups(a, b, *args)
         elif t["test"] == "trend":
             a, b = (list(growth(runs, t[k], low, top, scaling, length).values()) for k in ("a", "b"))
-            row |= _two_groups(a, b, key, family.resamples, m, family.alpha)
+            row |= _two_groups(a, b, *args)
+        elif t["test"] == "growth":
+            row |= _one_group(list(growth(runs, t["design"], low, top, scaling, length).values()), *args,
+                              method=t.get("method", "sign_flip"))
+        elif t["test"] == "interaction":
+            row |= {"a": f"{t['a']} - {t['b']}", "b": f"{t['a0']} - {t['b0']}", "dose": f"{dose} vs {t['dose0']}"}
+            groups = [list(_values(runs, t[k], d, scaling, length).values())
+                      for k, d in (("a", dose), ("b", dose), ("a0", t["dose0"]), ("b0", t["dose0"]))]
+            row |= _interaction(groups, *args)
         else:
-            row |= _one_group(list(growth(runs, t["design"], low, top, scaling, length).values()), key,
-                              family.resamples, m, family.alpha)
+            row["dose"] = "every"
+            row |= _one_group(list(chain_correlations(runs, t["design"], metric, scaling, length).values()), *args,
+                              method="t")
         rows.append(row)
     return adjust_family(rows, family.alpha)
 
@@ -390,6 +503,38 @@ def _interval(mean: float, low: float, high: float, signed: bool = False) -> str
     return f"{mean:{sign}.3f} [{low:{sign}.3f}, {high:{sign}.3f}]"
 
 
+EXTRA_KINDS = (  # the family table's further kinds, each said where a family uses it
+    ("t", "`growth` with method t: a one-sample t-test over the chains, no exact floor."),
+    ("interaction", "`interaction`: (a - b at the first dose) - (a0 - b0 at the second), Welch's t-test over the "
+                    "four seed groups; seeds: a's and b's / a0's and b0's."),
+    ("correlation", "`correlation`: the mean over chains of Spearman's rho across a chain's doses between the "
+                    "ratio and the metric, one-sample t-test; seeds: the chains with three doses or more."),
+    ("sink_retention", "`sink_retention`: log(S_beyond / S_1x), the first token's attention share past the "
+                       "training length of the test's length over its share at the training length (0: kept)."),
+)
+
+
+def sink_rows(runs: Sequence[DoseRun], length: int) -> list[dict]:
+    """Per design and dose, as trained: the first token's share at the training length and past it
+    at `length`, the sink retention, and what a uniform query row would give (1/(m+1) averaged)."""
+    rows = []
+    for design, dose in sorted({(r.design, r.dose) for r in runs if r.sinks}):
+        here = [r for r in runs if r.design == design and r.dose == dose and r.sink_retention(NONE, length) is not None]
+        if not here:
+            continue
+        retention = [r.sink_retention(NONE, length) for r in here]
+        rows.append({"design": design, "dose": dose, "tokens_per_param": here[0].tokens_per_param, "n": len(here),
+                     "share_1x": float(np.mean([r.sinks[(NONE, r.train_len)][0] for r in here])),
+                     "share_beyond": float(np.mean([r.sinks[(NONE, length)][1] for r in here])),
+                     "retention": float(np.mean(retention)), "retention_sd": stats.sample_sd(retention)})
+    return rows
+
+
+def _uniform_share(first: int, last: int) -> float:
+    """The first token's share averaged over queries first..last of a row spread evenly over its keys."""
+    return float(np.mean(1.0 / np.arange(first + 1, last + 2)))
+
+
 def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, reference: Sequence[DoseRun],
           length: int, train_len: int) -> list[Path]:
     resamples = family.resamples if family else BOOTSTRAP_RESAMPLES
@@ -411,19 +556,22 @@ def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, referen
                   markdown(["test", "a", "b", "dose", "scaling", "length", "seeds", "effect [95% interval]", "p",
                             "Holm p", "detectable", "smallest p"],
                            [[t["test"], t["a"], t["b"] or "-", t["dose"], t["scaling"], t["length"],
-                             f"{t['n_a']} / {t['n_b']}" if t["test"] != "growth" else t["n_a"],
+                             t["n_a"] if t["test"].split()[0] in ONE_GROUP else f"{t['n_a']} / {t['n_b']}",
                              _interval(t["effect"], t["low"], t["high"], signed=True) if t["tested"] else "not run",
                              _p(t["p"]), _p(t["p_holm"]), _num(t.get("detectable", math.nan)),
                              _p(t.get("smallest_p", math.nan))] for t in tests]), "",
                   "`difference`: a - b of seed means at that dose; `trend`: (a - b at the top dose) - (a - b at the "
                   "lowest), from each chain's growth; `growth`: the design's ratio at the top dose - at the lowest, "
                   "paired by seed (exact sign flips). `detectable`: the smallest effect the test detects with 80% "
-                  "power at Holm's first level, from the observed seed SD.", "",
-                  "## Everything below is exploratory", ""]
+                  "power at Holm's first level, from the observed seed SD.", ""]
+        used = {value for t in family.tests for value in (t["test"], t.get("method"), t.get("metric"))}
+        extra = [sentence for kind, sentence in EXTRA_KINDS if kind in used]
+        lines += ([" ".join(extra), ""] if extra else []) + ["## Everything below is exploratory", ""]
     lines += ["## Ratio per design, dose, scaling and length", "",
               markdown(["design", "dose", "tokens / param", "scaling", "length", "seeds", "mean [95% interval]", "SD"],
                        [[r["design"], r["dose"], _num(r["tokens_per_param"], 2), r["scaling"], r["length"], r["n"],
                          _interval(r["mean"], r["low"], r["high"]), _num(r["sd"])] for r in rows]), "",
+              *_sink_section(runs, length, train_len),
               "## Cost per run (wall seconds on the machine named)", "",
               markdown(["run", "train s", "eval s", "machine"],
                        [[c["run"], c["train_s"], c["eval_s"], c["machine"]] for c in cost_rows(runs)]), ""]
@@ -447,6 +595,23 @@ def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, referen
     md = out / "dose_report.md"
     md.write_text("\n".join(lines))
     return [md, *written]
+
+
+def _sink_section(runs: Sequence[DoseRun], length: int, train_len: int) -> list[str]:
+    """The sink table (runs with attention statistics only; none: no section)."""
+    sinks = sink_rows(runs, length)
+    if not sinks:
+        return []
+    even = (_uniform_share(0, train_len - 1), _uniform_share(train_len, length - 1))
+    return ["## The first token's attention share (sink), as trained", "",
+            f"Share on the first token over every layer, head and query: at {train_len} tokens, and over the "
+            f"queries past {train_len} of {length}. A row spread evenly over its keys gives {even[0]:.4f} and "
+            f"{even[1]:.5f}. Retention: log(past / at {train_len}), seed mean and SD.", "",
+            markdown(["design", "dose", "tokens / param", "seeds", f"share at {train_len}", f"share past it, {length}",
+                      "retention", "SD"],
+                     [[r["design"], r["dose"], _num(r["tokens_per_param"], 2), r["n"], f"{r['share_1x']:.4f}",
+                       f"{r['share_beyond']:.5f}", f"{r['retention']:+.3f}", _num(r["retention_sd"])]
+                      for r in sinks]), ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

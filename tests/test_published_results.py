@@ -140,15 +140,19 @@ def test_published_dose_report_regenerates_from_the_committed_runs(tmp_path):
     """docs/results/dose/*: `python -m eval.dose` over the published `<design>_d<steps>_s<seed>`
     runs writes the committed tables and report byte for byte (the figure aside): the pilot's
     without a family, the study's (docs/results/dose itself) with its registration and the
-    perplexity study's cosine runs of its designs as reference, as launch/reproduce_dose.sh writes it."""
+    perplexity study's cosine runs of its designs as reference, as launch/reproduce_dose.sh writes it;
+    and docs/results/dose_extension's with its registration, once it has a report."""
     from eval import dose
 
     reports = sorted(RESULTS.joinpath("dose").glob("**/dose_report.md"))
     assert reports  # the pilot's, at least
-    for published in reports:
+    extension = RESULTS / "dose_extension" / "dose_report.md"  # issue 60's study, as its runs arrive
+    for published in reports + [extension] * extension.is_file():
         folder = published.parent
         runs = [dose.load_run(p) for p in sorted(folder.glob("*_d*_s*")) if p.is_dir()]
         family, reference = None, []
+        if folder == RESULTS / "dose_extension":
+            family = dose.load_family(REPO / "conf" / "study" / "dose_extension.yaml")
         if folder == RESULTS / "dose":
             family = dose.load_family(REPO / "conf" / "study" / "dose.yaml")
             designs = {r.design for r in runs}

@@ -143,16 +143,18 @@ def _sink_shares(result: object, path: Path) -> dict[tuple[str, int], tuple[floa
     """(scaling, length) -> the first token's share averaged over layers and heads (each head's over
     its queries), over all queries and over those past the training length (None where none are)."""
     heads = result.get("heads") if isinstance(result, dict) else None
-    if not isinstance(heads, list):
-        raise DataError(f"{path} is not a `python -m eval task=attention` result (needs a heads list)")
-    cells: dict[tuple[str, int], list[dict]] = {}
-    for head in heads:
-        cells.setdefault((str(head["scaling"]), int(head["length"])), []).append(head)
-    out = {}
-    for key, rows in cells.items():
-        beyond = [r["sink_share_beyond"] for r in rows]
-        out[key] = (float(np.mean([r["sink_share"] for r in rows])),
-                    None if None in beyond else float(np.mean(beyond)))
+    try:
+        cells: dict[tuple[str, int], list[dict]] = {}
+        for head in heads:
+            cells.setdefault((str(head["scaling"]), int(head["length"])), []).append(head)
+        out = {}
+        for key, rows in cells.items():
+            beyond = [r["sink_share_beyond"] for r in rows]
+            out[key] = (float(np.mean([r["sink_share"] for r in rows])),
+                        None if None in beyond else float(np.mean(beyond)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{path} is not a `python -m eval task=attention` result (its heads need scaling, "
+                        f"length, sink_share and sink_share_beyond; {type(e).__name__}: {e})") from None
     return out
 
 
@@ -202,10 +204,11 @@ def load_family(path: Path) -> DoseFamily:
                 raise ValueError(f"{t}: growth and correlation name a design; the others name a and b")
             if t["test"] == "interaction" and not {"a0", "b0", "dose", "dose0"} <= set(t):
                 raise ValueError(f"{t}: interaction names a, b at dose and a0, b0 at dose0")
-            if t.get("metric", "ppl_ratio") not in METRICS or t.get("method", "sign_flip") not in ("sign_flip", "t"):
+            metric = t.get("metric", "ppl_ratio")
+            if metric not in METRICS or t.get("method", "sign_flip") not in ("sign_flip", "t"):
                 raise ValueError(f"{t}: metric is one of {', '.join(METRICS)}; method sign_flip or t")
-            ratio = t.get("metric", "ppl_ratio") == "ppl_ratio"
-            if ratio == (t["test"] == "correlation") and t["test"] != "difference":
+            # a difference reads either metric; a correlation relates the ratio to another; the rest read the ratio
+            if t["test"] != "difference" and (metric == "ppl_ratio") == (t["test"] == "correlation"):
                 raise ValueError(f"{t}: a correlation relates the ppl ratio to another metric; trend, growth and "
                                  "interaction read the ppl ratio")
     except (yaml.YAMLError, AttributeError, KeyError, TypeError, ValueError) as e:
@@ -289,10 +292,10 @@ def _z(alpha: float, m: int) -> float:
 
 def _one_group(g: Sequence[float], key: str, resamples: int, m: int, alpha: float, method: str = "sign_flip") -> dict:
     row = {"n_a": len(g), "n_b": len(g)}
-    if not g or (method == "t" and (len(g) < 2 or stats.sample_sd(g) == 0)):  # t undefined: not tested (p = 1)
+    sd = stats.sample_sd(g) if g else math.nan
+    if not g or (method == "t" and not sd > 0):  # t undefined (one chain, or all equal): not tested (p = 1)
         return row | {"tested": False, "p": math.nan}
     low, high = _interval_of_mean(g, key, resamples)
-    sd = stats.sample_sd(g)
     detectable = float(_z(alpha, m) * sd / math.sqrt(len(g))) if sd == sd else math.nan
     if method == "t":
         p, smallest = float(stats.sps.ttest_1samp(g, 0.0).pvalue), 0.0
@@ -516,7 +519,7 @@ EXTRA_KINDS = (  # the family table's further kinds, each said where a family us
 
 def sink_rows(runs: Sequence[DoseRun], length: int) -> list[dict]:
     """Per design and dose, as trained: the first token's share at the training length and past it
-    at `length`, the sink retention, and what a uniform query row would give (1/(m+1) averaged)."""
+    at `length`, and the sink retention's seed mean and SD."""
     rows = []
     for design, dose in sorted({(r.design, r.dose) for r in runs if r.sinks}):
         here = [r for r in runs if r.design == design and r.dose == dose and r.sink_retention(NONE, length) is not None]

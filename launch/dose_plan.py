@@ -145,7 +145,7 @@ def one_doses(family: dict[str, Any], doses: list[int], designs: list[str]) -> d
         if dose not in doses:
             raise PlanError(f"one_dose: {design}'s {dose} is not one of the doses ({' '.join(map(str, doses))})",
                             EXIT_INPUT)
-    return dict(found)
+    return found
 
 
 def attention_eval(family: dict[str, Any]) -> str:

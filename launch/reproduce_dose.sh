@@ -6,13 +6,13 @@
 # from the previous dose's last stable checkpoint, so doses 750, 1500, 3000 cost 750 + 900 + 1800
 # steps instead of 5250 (a branch is bitwise the run its schedule would train from scratch:
 # tests/test_train_wsd.py). A design in the file's `top_only` trains its top dose alone, from
-# scratch; one in its `one_dose` ({design: steps}) that dose alone. With `attention_eval` (a list
-# of overrides), each run's attention statistics (`python -m eval task=attention`) follow its
-# perplexity and are published beside it. Every run is evaluated as the perplexity study evaluates (sliding-window perplexity on
-# the same 20 held-out documents at 1x .. 32x, as trained and with dynamic NTK 8 where the design
-# has RoPE) and published as <design>_d<steps>_s<seed> with its config, results, machine.txt and
-# cost.json (wall seconds of training, every start of it, and of evaluation); then `python -m eval.dose`
-# writes the report (the pre-registered family first when FAMILY is given).
+# scratch; one in its `one_dose` ({design: steps}) that dose alone. Every run is evaluated as the
+# perplexity study evaluates (sliding-window perplexity on the same 20 held-out documents at 1x ..
+# 32x, as trained and with dynamic NTK 8 where the design has RoPE; then, with the family's
+# `attention_eval` overrides, its attention statistics, `python -m eval task=attention`) and
+# published as <design>_d<steps>_s<seed> with its config, results, machine.txt and cost.json (wall
+# seconds of training, every start of it, and of evaluation); then `python -m eval.dose` writes the
+# report (the pre-registered family first when FAMILY is given).
 #
 #   RESULTS=docs/results/dose FAMILY=conf/study/dose.yaml \
 #     REFERENCE="$(echo docs/results/perplexity/{origin,coca,alibi,fire}_s[0-9]*)" launch/reproduce_dose.sh
@@ -21,12 +21,13 @@
 #
 # Environment: RUNS (default runs/dose; a chain whose next dose needs a checkpoint that is no longer
 # there retrains the dose below it, unpublished), FAMILY (the pre-registration: its doses,
-# decay_fraction, seeds per design, top_only, one_dose and attention_eval), DESIGNS, SEEDS, DOSES, FRACTION, TOP_ONLY
-# (override the file's, or stand alone without it), JOBS (chains at once, default 2, one thread
-# each), RESULTS (where finished runs and the report are published; commit it, and the study
-# continues on another machine where it stopped), TRAIN and EVAL (training and evaluation overrides,
-# space separated; a shortened trial: TRAIN="optim.warmup_steps=2" DOSES="10 20"),
-# LENGTH (the report figure's length, default 4096: 16x), REFERENCE (published runs of other schedules placed beside these in the report, `--reference`;
+# decay_fraction, seeds per design, top_only, one_dose and attention_eval), DESIGNS, SEEDS, DOSES,
+# FRACTION, TOP_ONLY (override the file's, or stand alone without it), JOBS (chains at once,
+# default 2, one thread each), RESULTS (where finished runs and the report are published; commit
+# it, and the study continues on another machine where it stopped), TRAIN and EVAL (training and
+# evaluation overrides, space separated; a shortened trial: TRAIN="optim.warmup_steps=2" DOSES="10 20"),
+# LENGTH (the report figure's length, default 4096: 16x), REFERENCE (published runs of other
+# schedules placed beside these in the report, `--reference`;
 # the study's: the perplexity study's cosine runs of the same designs).
 # Resumable: a published run is skipped, a finished training (DONE) or evaluation (eval/DONE) too,
 # and an interrupted one continues from its newest checkpoint (resume=auto).

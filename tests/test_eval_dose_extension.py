@@ -193,6 +193,13 @@ def test_a_malformed_new_test_is_refused_naming_it(test, needle, tmp_path):
     assert needle in str(refused.value)
 
 
+def test_attention_statistics_without_a_head_field_are_one_line_naming_the_file(tmp_path):
+    path = _folder(tmp_path, "origin", 100, 1, 1.5, (0.05, 0.01))
+    (path / "attention.json").write_text(json.dumps({"heads": [{"scaling": "none", "sink_share": 0.1}]}))
+    with pytest.raises(DataError, match="attention.json is not a `python -m eval task=attention` result"):
+        dose.load_run(path)
+
+
 def test_the_registered_family_file_loads():
     family = dose.load_family(Path(__file__).resolve().parents[1] / "conf" / "study" / "dose_extension.yaml")
     assert len(family.tests) == 9 and family.doses == (750, 1500, 3000, 6000, 12000)

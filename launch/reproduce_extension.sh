@@ -16,6 +16,8 @@
 #
 #   RESULTS=docs/results/extension launch/reproduce_extension.sh   # the whole experiment, published as it lands
 #   SEEDS="1 2" launch/reproduce_extension.sh                      # these seeds only
+#   launch/reproduce_extension.sh logger.wandb=disabled            # extra arguments: Hydra overrides for
+#                                                                  # every training (pilot and arms)
 #
 # Environment: RUNS (default runs/extension), SOURCES (the study's runs, default runs/study; its
 # published results: STUDY_RESULTS, default docs/results/study), ARMS (the recipes piloted and run,
@@ -42,6 +44,7 @@ OUT=${RESULTS:-$RUNS/report}
 EVAL=${EVAL:-"ppl.stride=2048 ppl.n_docs=20 passkey.n_cases=100"}
 SHORT=${SHORT:-"[256,512,1024,2048,4096,8192]"}  # the 256-token arms: 1x .. 32x
 LONG=${LONG:-"[1024,2048,4096,8192]"}            # the 1024-token arms: 1x .. 8x
+OVERRIDES=("$@")                                 # for every training, after the arm's own
 # shellcheck source=launch/study_lib.sh
 source launch/study_lib.sh  # whole_number, cause_of
 whole_number JOBS "$JOBS"
@@ -68,7 +71,7 @@ train() {  # run_dir seed data_seed recipe [overrides...]: from the source, or o
   if compgen -G "$run_dir/checkpoints/step_*" > /dev/null; then start=resume=auto
   else rm -rf "$run_dir"; start=init_from="$src"; fi  # nothing saved yet: start again
   python -m train experiment="$recipe" "$start" run_dir="$run_dir" name="ext_$(basename "$run_dir")" \
-    seed="$seed" data.seed="$data_seed" logger.progress=false "$@" || return 1
+    seed="$seed" data.seed="$data_seed" logger.progress=false "$@" "${OVERRIDES[@]}" || return 1
   touch "$run_dir/DONE"
 }
 

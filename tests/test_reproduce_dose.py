@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from reproduce_chain import run_script
+from reproduce_chain import SMALL, run_script
 
 TINY_DOSE = """doses: [10, 20]
 decay_fraction: 0.2
@@ -34,7 +34,8 @@ def test_dose_study_shortened(tmp_path: Path) -> None:
     family = tmp_path / "family.yaml"
     family.write_text(TINY_DOSE)
     results = tmp_path / "results"
-    env = dict(FAMILY=str(family), RESULTS=str(results), LENGTH="512", TRAIN="optim.warmup_steps=2 eval_every=10",
+    env = dict(FAMILY=str(family), RESULTS=str(results), LENGTH="512",
+               TRAIN=" ".join(("optim.warmup_steps=2", "eval_every=10", *SMALL)),
                EVAL="ppl.lengths=[256,512] ppl.n_docs=1")
     out = run_script("reproduce_dose.sh", tmp_path, **env)
     assert "branches at 8" in out

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from reproduce_chain import ROOT, run_script
+from reproduce_chain import ROOT, SMALL, run_script
 
 TINY_EXTENSION = """metric: passkey
 lengths: [1024]
@@ -34,7 +34,7 @@ def train_study_origin(study: Path, seeds: tuple[int, ...]) -> None:
     them: launch/reproduce_study.sh, tested above with its evaluation)."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(["python", "-m", "train", "experiment=study_origin", f"run_dir={study}/origin_s{s}",
-                               f"seed={s}", f"data.seed={s}", "max_steps=3", "logger.progress=false"],
+                               f"seed={s}", f"data.seed={s}", "max_steps=3", "logger.progress=false", *SMALL],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for s in seeds]
     for s, proc in zip(seeds, procs):
@@ -56,7 +56,7 @@ def test_extension_shortened(tmp_path: Path) -> None:
     family.write_text(TINY_EXTENSION)
     results = tmp_path / "results"
     ext = tmp_path / "extension"
-    out = run_script("reproduce_extension.sh", ext, SOURCES=str(study), STUDY_RESULTS=str(study / "published"),
+    out = run_script("reproduce_extension.sh", ext, *SMALL, SOURCES=str(study), STUDY_RESULTS=str(study / "published"),
                      ARMS="extend_yarn dropin_coca continue_origin", SEEDS="1 2", FAMILY=str(family),
                      RESULTS=str(results), EVAL="ppl.n_docs=1 passkey.n_cases=2", SHORT="[256,1024]", LONG="[1024]")
     assert "FAILED" not in out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reproduce_chain import HEAD, ROOT, TINY_TESTS, run_script
+from reproduce_chain import HEAD, ROOT, SMALL, TINY_TESTS, run_script
 
 TINY_PERPLEXITY = """metric: ppl_ratio
 lengths: [512]
@@ -30,7 +30,7 @@ def test_perplexity_study_shortened(tmp_path: Path) -> None:
     family = tmp_path / "family.yaml"
     family.write_text(TINY_PERPLEXITY)
     results = tmp_path / "results"
-    run_script("reproduce_perplexity.sh", tmp_path, DESIGNS="origin nope coca_strict", STEPS="3",
+    run_script("reproduce_perplexity.sh", tmp_path, *SMALL, DESIGNS="origin nope coca_strict", STEPS="3",
                FAMILY=str(family), RESULTS=str(results), EVAL="ppl.lengths=[256,512] ppl.n_docs=1")
     runs = {"origin_s1": "origin", "origin_s2": "origin", "nope_s1": "nope", "nope_s2": "nope",
             "coca_strict_s1": "coca"}
@@ -74,7 +74,7 @@ def test_study_variants_and_continuations(tmp_path: Path) -> None:
     family = tmp_path / "family.yaml"
     family.write_text(TINY_VARIANTS)
     results = tmp_path / "results"
-    run_script("reproduce_perplexity.sh", tmp_path, DESIGNS="origin origin_sinks drope", STEPS="3",
+    run_script("reproduce_perplexity.sh", tmp_path, *SMALL, DESIGNS="origin origin_sinks drope", STEPS="3",
                FAMILY=str(family), RESULTS=str(results), EVAL="ppl.lengths=[256,512] ppl.n_docs=1")
     assert sorted(p.name for p in tmp_path.glob("*_s[0-9]")) == [
         "drope_s1", "drope_s2", "origin_s1", "origin_s2", "origin_sinks_s1"]

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from reproduce_chain import LABELS, ROOT, ROPE_SWEEP, check_chain, run_script
+from reproduce_chain import LABELS, ROOT, ROPE_SWEEP, SMALL, check_chain, run_script
 
 
 @pytest.mark.slow
@@ -19,7 +19,7 @@ def test_study_shortened(tmp_path: Path) -> None:
                  SCALINGS="[none,dynamic:2,dynamic:4,dynamic:8]",  # the pilot's sweep (the study's: none, dynamic:8)
                  EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
                  "recall.lengths=[256,512] recall.n_cases=2 attention.length=512 attention.head_lengths=[256,512]")
-    run_script("reproduce_study.sh", tmp_path, **study)
+    run_script("reproduce_study.sh", tmp_path, *SMALL, **study)
     runs = {f"{v}_s{s}": v for v in ("origin", "alibi") for s in (1, 2)}
     for run, design in runs.items():
         cfg = (tmp_path / run / "config.yaml").read_text()
@@ -40,7 +40,7 @@ def test_study_shortened(tmp_path: Path) -> None:
     summary = (tmp_path / "results" / "seeds_summary.csv").read_text()
     for run in runs:  # a new machine: no runs, only the published results; nothing is retrained
         shutil.rmtree(tmp_path / run)
-    run_script("reproduce_study.sh", tmp_path, **study)
+    run_script("reproduce_study.sh", tmp_path, *SMALL, **study)
     assert not any((tmp_path / run).exists() for run in runs)
     assert (tmp_path / "results" / "seeds_summary.csv").read_text() == summary
 
@@ -52,7 +52,7 @@ def test_new_designs_compared_with_published_origin_runs(tmp_path: Path) -> None
     published = tmp_path / "study"
     shutil.copytree(ROOT / "docs" / "results" / "study" / "origin_s1", published / "origin_s1")
     results = tmp_path / "results"
-    run_script("reproduce_designs.sh", tmp_path, DESIGNS="origin kerple", SEEDS="1", STEPS="3",
+    run_script("reproduce_designs.sh", tmp_path, *SMALL, DESIGNS="origin kerple", SEEDS="1", STEPS="3",
                PUBLISHED=str(published), RESULTS=str(results),
                EVAL="ppl.lengths=[256,512] ppl.n_docs=1 passkey.lengths=[256,512] passkey.n_cases=2 "
                "recall.lengths=[256] recall.n_cases=1 attention.length=256 attention.head_lengths=[256]")

@@ -69,6 +69,7 @@ def test_extension_shortened(tmp_path: Path) -> None:
             cfg = (results / f"{arm}_s{seed}" / "config.yaml").read_text()
             assert f"init_from: {study}/origin_s{seed}" in cfg and f"max_steps: {choice['budget']}" in cfg
             assert f"max_seq_len: {train_len}" in cfg and f"seed: {100 + seed}" in cfg
+            assert "batch_size: 4" in cfg  # the launcher's own arguments reach every training
             assert ("attention: coca" in cfg) == (arm == "dropin_coca")
             passkey = json.loads(gzip.decompress((results / f"{arm}_s{seed}" / "passkey.json.gz").read_bytes()))
             assert {c["scaling"] for c in passkey["cases"]} == scalings and passkey["meta"]["seed"] == seed

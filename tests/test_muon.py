@@ -154,7 +154,9 @@ def test_muon_trains_and_resumes_bitwise_after_kill_9(tmp_path):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_muon_two_ranks_under_zero(stage, tmp_path):
     """Two CPU ranks over gloo under the DeepSpeed launcher with DeepSpeed's ZeRO Muon: the run
-    trains (the loss falls) and writes its checkpoints. DeepSpeed compiles its Muon update with
+    trains (the loss falls) and writes its checkpoints. Its resume on one rank is refused in one
+    line before anything is converted: DeepSpeed's universal-checkpoint conversion drops Muon's
+    momentum buffers (it raised KeyError 'exp_avg' halfway). DeepSpeed compiles its Muon update with
     torch.compile; on a CPU that costs minutes per shape, so the test runs it eagerly
     (TORCHDYNAMO_DISABLE, the same function)."""
     with socket.socket() as sock:
@@ -168,3 +170,10 @@ def test_muon_two_ranks_under_zero(stage, tmp_path):
     seen = losses(run_dir)
     assert sorted(seen) == list(range(1, 13)) and seen[12] < seen[1] - 0.3
     assert complete_checkpoints(run_dir)[-1].name == "step_00000012"
+    one_rank = _run(run_dir, tmp_path / "cache", f"deepspeed=zero{stage}", "batch_size=4", "micro_batch_size=2",
+                    "max_steps=14", "eval_every=14", "ckpt_every=6", "resume=auto", env={"TORCHDYNAMO_DISABLE": "1"})
+    assert one_rank.returncode == 1 and one_rank.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {run_dir}/checkpoints/step_00000012: written by 2 ranks under ZeRO {stage} with Muon, "
+        "and DeepSpeed's universal-checkpoint conversion keeps Adam's moments but not Muon's momentum buffers: "
+        "resume it with 2 ranks")
+    assert not list((run_dir / "checkpoints" / "step_00000012").glob("*universal*"))

@@ -16,7 +16,7 @@ from typing import Any
 from data.stream import continuation
 from train import checkpoint, elastic
 from train import distributed as dist
-from train.checkpoint import Progress
+from train.checkpoint import CheckpointError, Progress
 from train.config import TrainConfig
 from train.faults import FaultInjector
 from train.start import Start
@@ -46,6 +46,11 @@ def plan_resume(start: Start, tokenizer, faults: FaultInjector) -> ResumePlan:
         return ResumePlan(ckpt, client, True, False, client.get("layout_step", 0), None)
     written_by, written_sequence = start.written
     universal = elastic.needs_universal(written_by, world, cfg.deepspeed.zero_stage)
+    if universal and cfg.optim.name == "muon":
+        raise CheckpointError(
+            f"checkpoint {ckpt}: written by {written_by} ranks under ZeRO {cfg.deepspeed.zero_stage} with Muon, "
+            f"and DeepSpeed's universal-checkpoint conversion keeps Adam's moments but not Muon's momentum "
+            f"buffers: resume it with {written_by} ranks")
     if universal:
         elastic.universal_checkpoint(ckpt, before_commit=faults.in_conversion())
     clients = [checkpoint.client_state(ckpt, r) for r in range(0, written_by, written_sequence)]

@@ -49,7 +49,7 @@ def plan_resume(start: Start, tokenizer, faults: FaultInjector) -> ResumePlan:
     if universal and cfg.optim.name == "muon":
         raise CheckpointError(
             f"checkpoint {ckpt}: written by {written_by} ranks under ZeRO {cfg.deepspeed.zero_stage} with Muon, "
-            f"and DeepSpeed's universal-checkpoint conversion keeps Adam's moments but not Muon's momentum "
+            "and DeepSpeed's universal-checkpoint conversion keeps Adam's moments but not Muon's momentum "
             f"buffers: resume it with {written_by} ranks")
     if universal:
         elastic.universal_checkpoint(ckpt, before_commit=faults.in_conversion())

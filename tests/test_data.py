@@ -243,6 +243,32 @@ def test_invalid_utf8_is_replaced_not_fatal(tok, tmp_path):
         assert batch.shape == (2, 5)
 
 
+@pytest.mark.parametrize("ext, line, text", [("jsonl", '{"text": "local words"}\n', "local words"),
+                                             ("txt", "local words\n", "local words\n")], ids=["jsonl", "txt"])
+def test_local_files_open_without_a_network_request(tmp_path, monkeypatch, ext, line, text):
+    """`datasets` pinged the Hub (a download count) on every load of a local json/text file, and a
+    source reopens each epoch: no connection is attempted now, and the counter is left as it was."""
+    import socket
+
+    import datasets
+
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args[:1])
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", True)
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / f"a.{ext}").write_text(line)
+    cfg = DataConfig(sources=[SourceConfig(kind="files", path=str(tmp_path / "{split}" / f"*.{ext}"))])
+    for epoch in range(2):
+        assert [e["text"] for e in open_source(cfg.sources[0], "train", cfg, seed=0, epoch=epoch)] == [text]
+    assert attempts == [] and datasets.config.HF_UPDATE_DOWNLOAD_COUNTS is True
+
+
 def test_too_few_shards_for_workers(tok, tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "one.jsonl").write_text(json.dumps({"text": "a b c"}) + "\n")

@@ -6,6 +6,7 @@ deferred imports included) belongs to a distribution that its requirements file 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from importlib.metadata import packages_distributions
@@ -49,9 +50,11 @@ def _entry_modules(command: str) -> list[str]:
     return names
 
 
-def _imported_names(path: Path, module: str) -> set[str]:
+@functools.cache
+def _imported_names(path: Path, module: str) -> frozenset[str]:
     """Every dotted name `path` imports anywhere in it (a `from a import b` gives `a` and `a.b`);
-    relative imports resolved against the module's package."""
+    relative imports resolved against the module's package. Cached: the commands' closures share
+    most of their files."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -65,7 +68,7 @@ def _imported_names(path: Path, module: str) -> set[str]:
                 source = node.module or ""
             names.add(source)
             names.update(f"{source}.{alias.name}" for alias in node.names)
-    return names
+    return frozenset(names)
 
 
 def third_party_imports(command: str) -> dict[str, str]:
@@ -115,12 +118,18 @@ def declared(requirements: Path, no_deps: bool = False) -> set[str]:
     return names
 
 
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    """Installed import name -> its distributions (reading them all takes about 0.3 s: once)."""
+    return packages_distributions()
+
+
 def undeclared(command: str, requirements: Path, no_deps: bool = False) -> list[str]:
     """`module imports name (distribution)` for each third-party import no declared distribution
     provides. An import that no installed distribution provides (an optional one, such as
     bench.train's litgpt, on a machine without it) is taken to come from the distribution of its
     own name."""
-    distributions = packages_distributions()
+    distributions = _distributions()
     allowed = declared(requirements, no_deps)
     missing = []
     for name, module in sorted(third_party_imports(command).items()):

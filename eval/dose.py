@@ -26,7 +26,8 @@ first token's attention share over every layer and head, S_1x on the training-le
 S_beyond over the queries past the training length of the test's length).
 
 Every other number (the other lengths, the pairs not registered, `--reference` runs placed on the
-figure) is exploratory and labelled so. The report regenerates byte for byte: fixed bootstrap
+figure, `--fit-to`'s power-law fit and its extrapolation: `eval.dose_fit`) is exploratory and
+labelled so. The report regenerates byte for byte: fixed bootstrap
 generators, rounded numbers.
 """
 
@@ -52,7 +53,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data.cli import OneLineParser
 from data.config import DataError, check_dir
 from errors import UserError, exit_code, first_line, one_line, report_error
-from eval import plots, stats
+from eval import dose_fit, plots, stats
 from eval.aggregate import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, NONE, adjust_family, run_cases
 from eval.results import distinct_runs, read_json, result_file, write_csv
 from eval.tables import markdown
@@ -539,7 +540,9 @@ def _uniform_share(first: int, last: int) -> float:
 
 
 def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, reference: Sequence[DoseRun],
-          length: int, train_len: int) -> list[Path]:
+          length: int, train_len: int, fit_to: float | None = None) -> list[Path]:
+    """The report, its tables and figures; `fit_to`: add the exploratory fit (`eval.dose_fit`) at 2x
+    and at `length`, extrapolated to that many tokens per non-embedding parameter."""
     resamples = family.resamples if family else BOOTSTRAP_RESAMPLES
     out.mkdir(parents=True, exist_ok=True)
     order = attrgetter("design", "dose", "seed")  # the report does not depend on the order runs are given in
@@ -574,8 +577,21 @@ def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, referen
               markdown(["design", "dose", "tokens / param", "scaling", "length", "seeds", "mean [95% interval]", "SD"],
                        [[r["design"], r["dose"], _num(r["tokens_per_param"], 2), r["scaling"], r["length"], r["n"],
                          _interval(r["mean"], r["low"], r["high"]), _num(r["sd"])] for r in rows]), "",
-              *_sink_section(runs, length, train_len),
-              "## Cost per run (wall seconds on the machine named)", "",
+              *_sink_section(runs, length, train_len)]
+    if sink_rows(runs, length):
+        even = math.log(_uniform_share(train_len, length - 1) / _uniform_share(0, train_len - 1))
+        png = plots.save(dose_fit.sink_figure(runs, length, train_len, even), out / "dose_sink.png", tight=False)
+        written.append(png)
+        lines += [f"![ratio against sink retention at {length}, per run]({png.name})", ""]
+    if fit_to is not None:
+        fits = dose_fit.fit_rows(runs, sorted({2 * train_len, length}), train_len, fit_to, resamples)
+        written.append(write_csv(out / "dose_fit.csv", fits))
+        lines += _fit_section(fits, fit_to)
+        if fits:
+            png = plots.save(dose_fit.figure(runs, fits, train_len, resamples), out / "dose_fit.png", tight=False)
+            written.append(png)
+            lines += [f"![ratio - 1 against training tokens, fitted and extrapolated]({png.name})", ""]
+    lines += ["## Cost per run (wall seconds on the machine named)", "",
               markdown(["run", "train s", "eval s", "machine"],
                        [[c["run"], c["train_s"], c["eval_s"], c["machine"]] for c in cost_rows(runs)]), ""]
     if reference:
@@ -598,6 +614,26 @@ def write(runs: Sequence[DoseRun], out: Path, family: DoseFamily | None, referen
     md = out / "dose_report.md"
     md.write_text("\n".join(lines))
     return [md, *written]
+
+
+def _fit_section(fits: Sequence[dict], target: float) -> list[str]:
+    """The exploratory fit's table (eval.dose_fit), labelled as a description and an extrapolation."""
+    head = [f"## Fit of log(ratio - 1) against log tokens per parameter (exploratory; at {target:g}: extrapolated)",
+            "", "Per chain design, as trained, each run one point; intervals: 95% seed bootstraps of whole "
+            f"chains. The ratio at {target:g} tokens per non-embedding parameter is the line carried past the "
+            "runs, at their depth: a labelled extrapolation, not a prediction any run supports. The paper's "
+            "ratio (350M, 24 layers, PG-19) is shown for scale.", ""]
+    if not fits:
+        return head + ["No design has runs at two doses yet: nothing is fitted.", ""]
+    dropped = sum(f["dropped"] for f in fits)
+    return head + [markdown(
+        ["design", "length", "runs (seeds)", "doses", "slope [95% interval]", "ratio at the top dose (fitted)",
+         f"ratio at {target:g} [95% interval], extrapolated", "paper's ratio"],
+        [[f["design"], f"{f['length']} ({f['multiple']}x)", f"{f['runs']} ({f['seeds']})", f["doses"],
+          _interval(f["slope"], f["slope_low"], f["slope_high"]),
+          f"{f['ratio_at_top']:.3f} at {f['top_tokens_per_param']:.1f}",
+          _interval(f["ratio_at_target"], f["target_low"], f["target_high"]), _num(f["paper"], 2)] for f in fits]),
+        "", *([f"Left out: {dropped} run(s) with a ratio at or below 1 (no logarithm).", ""] if dropped else [])]
 
 
 def _sink_section(runs: Sequence[DoseRun], length: int, train_len: int) -> list[str]:
@@ -627,6 +663,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="<design>_s<seed> runs of another schedule (their steps from their config) to "
                              "place beside the WSD runs (exploratory)")
     parser.add_argument("--length", type=int, default=4096, help="the figure's length (default 16x of 256)")
+    parser.add_argument("--fit-to", type=float, metavar="TOKENS_PER_PARAM",
+                        help="add the exploratory fit of log(ratio - 1) on log tokens per parameter at 2x and "
+                             "--length, extrapolated to this many tokens per non-embedding parameter")
     args: argparse.Namespace = parser.parse_args(argv)
     try:
         check_dir(args.out, "--out")
@@ -642,7 +681,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         train_lens = {r.train_len for r in runs}
         if len(train_lens) != 1:
             raise DataError(f"the runs have different training lengths ({sorted(train_lens)}): one report per length")
-        for path in write(runs, args.out, family, reference, args.length, train_lens.pop()):
+        if args.fit_to is not None and not (math.isfinite(args.fit_to) and args.fit_to > 0):
+            raise DataError(f"--fit-to {args.fit_to:g}: tokens per parameter must be positive")
+        for path in write(runs, args.out, family, reference, args.length, train_lens.pop(), args.fit_to):
             print(path)
     except (FileNotFoundError, ValueError) as e:
         return report_error(e, exit_code(e))

@@ -28,7 +28,9 @@
 # evaluation overrides, space separated; a shortened trial: TRAIN="optim.warmup_steps=2" DOSES="10 20"),
 # LENGTH (the report figure's length, default 4096: 16x), REFERENCE (published runs of other
 # schedules placed beside these in the report, `--reference`;
-# the study's: the perplexity study's cosine runs of the same designs).
+# the study's: the perplexity study's cosine runs of the same designs), FIT_TO (a whole number of
+# tokens per non-embedding parameter: the report's exploratory power-law fit, extrapolated there,
+# `--fit-to`; the dose extension's: 165, the paper's).
 # Resumable: a published run is skipped, a finished training (DONE) or evaluation (eval/DONE) too,
 # and an interrupted one continues from its newest checkpoint (resume=auto).
 set -euo pipefail
@@ -40,6 +42,7 @@ JOBS=${JOBS:-2}
 RESULTS=${RESULTS:-}
 REFERENCE=${REFERENCE:-}
 LENGTH=${LENGTH:-4096}
+FIT_TO=${FIT_TO:-}
 TRAIN=${TRAIN:-}
 EVAL=${EVAL:-"ppl.lengths=[256,512,1024,2048,4096,8192] ppl.stride=2048 ppl.n_docs=20"}
 SCALINGS="[none,dynamic:8]"
@@ -51,6 +54,7 @@ SCALINGS="[none,dynamic:8]"
 source launch/study_lib.sh  # training_args, scalings_of, machine, whole_number, cause_of
 whole_number JOBS "$JOBS"
 whole_number LENGTH "$LENGTH"
+if [ -n "$FIT_TO" ]; then whole_number FIT_TO "$FIT_TO"; fi
 settings=$(FAMILY="$FAMILY" python launch/dose_plan.py) || exit $?
 eval "$settings"
 export PRESET=study_ppl SCALINGS
@@ -166,7 +170,7 @@ if [ "${#runs[@]}" -gt 0 ]; then
   echo "== report -> $report"
   # shellcheck disable=SC2086  # REFERENCE is a list of folders
   python -m eval.dose "${runs[@]}" ${FAMILY:+--family "$FAMILY"} ${REFERENCE:+--reference $REFERENCE} \
-    --length "$LENGTH" --out "$report" || status=$?
+    ${FIT_TO:+--fit-to "$FIT_TO"} --length "$LENGTH" --out "$report" || status=$?
 fi
 if [ -n "$failed" ]; then echo "error: $failed" >&2; exit 1; fi  # the cause, last
 exit "${status:-0}"

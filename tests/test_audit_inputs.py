@@ -290,6 +290,7 @@ def _family_files(tmp: Path) -> None:
     ({"DOSES": "abc", "SEEDS": "1"}, EXIT_USAGE, ["DOSES='abc': 'abc' is not a whole number >= 1"]),
     ({"FRACTION": "2", "SEEDS": "1"}, EXIT_USAGE, ["FRACTION=2: optim.decay_fraction=2.0 must be in (0, 1]"]),
     ({"LENGTH": "4k", "SEEDS": "1"}, EXIT_USAGE, ["LENGTH=4k is not a whole number >= 1"]),
+    ({"FIT_TO": "1e2", "SEEDS": "1"}, EXIT_USAGE, ["FIT_TO=1e2 is not a whole number >= 1"]),
 ])
 def test_the_dose_launcher_checks_its_settings_before_training(env, code, needles, tmp_path):
     """Tracebacks from its inline snippets before (FAMILY, DOSES), or training on after the error (FRACTION=2)."""

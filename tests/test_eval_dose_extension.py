@@ -15,7 +15,7 @@ import scipy.stats
 from omegaconf import OmegaConf
 
 from data.config import DataError
-from eval import dose
+from eval import dose, dose_fit
 from train.config import compose
 
 DOSES = (100, 200, 400)
@@ -203,3 +203,78 @@ def test_attention_statistics_without_a_head_field_are_one_line_naming_the_file(
 def test_the_registered_family_file_loads():
     family = dose.load_family(Path(__file__).resolve().parents[1] / "conf" / "study" / "dose_extension.yaml")
     assert len(family.tests) == 9 and family.doses == (750, 1500, 3000, 6000, 12000)
+
+
+# ---- the exploratory fit (eval.dose_fit) ----------------------------------------------------------------------
+
+
+def _law_run(design: str, steps: int, seed: int, excess: float) -> dose.DoseRun:
+    """A run at `steps` x 1000 tokens over 100 non-embedding parameters whose ratio at 512 and 4096 is
+    1 + `excess`."""
+    ratios = {("none", 512): 1 + excess, ("none", 4096): 1 + excess}
+    return dose.DoseRun(design, steps, seed, 256, steps * 1000, 100, ratios)
+
+
+def test_the_fit_is_the_least_squares_line_of_log_excess_on_log_tokens(study):
+    """Against scipy's linregress in float64 over the same points (every chain run as trained), and the
+    value at the target is 1 + exp(the line there); the depth arms (one dose) are not fitted."""
+    runs, _, truth = study
+    rows = dose_fit.fit_rows(runs, [512, 4096], 256, 165.0, 500)
+    assert {(r["design"], r["length"]) for r in rows} == {(d, n) for d in ("origin", "coca") for n in (512, 4096)}
+    for row in rows:
+        here = [r for r in runs if r.design == row["design"] and r.ratios[("none", row["length"])] > 1]
+        x = np.log([r.tokens / r.non_embedding for r in here])
+        y = np.log([r.ratios[("none", row["length"])] - 1 for r in here])
+        want = scipy.stats.linregress(x, y)
+        assert row["slope"] == pytest.approx(want.slope, rel=1e-12, abs=1e-12)
+        assert row["ratio_at_target"] == pytest.approx(1 + math.exp(want.intercept + want.slope * math.log(165.0)),
+                                                       rel=1e-12)
+        assert row["runs"] == len(here) and row["dropped"] == len(SEEDS) * len(DOSES) - len(here)
+        assert row["slope_low"] < row["slope_high"] and row["target_low"] < row["target_high"]
+    assert rows == dose_fit.fit_rows(list(reversed(runs)), [512, 4096], 256, 165.0, 500)  # fixed generators
+
+
+def test_an_exact_power_law_is_recovered_and_its_bootstrap_has_no_spread():
+    """ratio - 1 = 0.02 x (tokens per parameter)^0.8 on every seed: slope 0.8, the ratio at 165 the law's,
+    every resample the same line; one seed gives no interval; a ratio at or below 1 is left out, counted."""
+    law = [_law_run(d, s, seed, 0.02 * (s * 10) ** (0.8 if d == "origin" else 0.3))
+           for d in ("origin", "coca") for s in (75, 150, 300) for seed in (1, 2, 3)]
+    rows = {r["design"]: r for r in dose_fit.fit_rows(law, [4096], 256, 165.0, 200)}
+    assert rows["origin"]["slope"] == pytest.approx(0.8, abs=1e-12)
+    assert rows["origin"]["ratio_at_target"] == pytest.approx(1 + 0.02 * 165 ** 0.8, rel=1e-12)
+    assert rows["origin"]["target_low"] == pytest.approx(rows["origin"]["target_high"], rel=1e-12)
+    assert rows["coca"]["slope_low"] == pytest.approx(0.3, abs=1e-12) and rows["origin"]["resamples_used"] == 200
+    one_seed = [r for r in law if r.seed == 1] + [_law_run("origin", 600, 1, -0.01)]
+    (row,) = [r for r in dose_fit.fit_rows(one_seed, [4096], 256, 165.0, 200) if r["design"] == "origin"]
+    assert row["dropped"] == 1 and row["runs"] == 3 and math.isnan(row["target_low"])
+    assert row["slope"] == pytest.approx(0.8, abs=1e-12)
+
+
+def test_bootstrap_fits_skip_resamples_of_one_dose_and_repeat_exactly():
+    """Two chains of one dose each: a resample drawing the same chain twice has one dose (no line)."""
+    by_seed = {1: [(0.0, 0.0)], 2: [(1.0, 2.0)]}
+    fits = dose_fit.bootstrap_fits(by_seed, "k", 400)
+    assert 0 < len(fits) < 400 and all(f.slope == pytest.approx(2.0) for f in fits)
+    assert fits == dose_fit.bootstrap_fits(by_seed, "k", 400)
+
+
+def test_fit_to_adds_the_labelled_section_and_is_checked(study, tmp_path):
+    runs, family, _ = study
+    plain = dose.write(runs, tmp_path / "plain", family, [], 4096, 256)
+    assert "## Fit of" not in plain[0].read_text() and not (tmp_path / "plain" / "dose_fit.csv").exists()
+    assert (tmp_path / "plain" / "dose_sink.png").is_file()
+    md = dose.write(runs, tmp_path / "fit", family, [], 4096, 256, fit_to=165.0)[0].read_text()
+    assert "## Fit of log(ratio - 1) against log tokens per parameter (exploratory; at 165: extrapolated)" in md
+    assert md.index("## Everything below is exploratory") < md.index("## Fit of")
+    assert (tmp_path / "fit" / "dose_fit.png").is_file() and (tmp_path / "fit" / "dose_fit.csv").is_file()
+
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "nan", "inf"])
+def test_fit_to_must_be_a_positive_number(study, tmp_path, capsys, bad):
+    _, family, _ = study
+    folders = sorted(str(p) for p in family.path.parent.glob("*_d*_s*"))
+    assert dose.main([*folders, "--fit-to", bad, "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --fit-to {float(bad):g}: tokens per parameter must be positive"]
+    assert not (tmp_path / "out" / "dose_report.md").exists()

@@ -141,7 +141,8 @@ def test_published_dose_report_regenerates_from_the_committed_runs(tmp_path):
     runs writes the committed tables and report byte for byte (the figure aside): the pilot's
     without a family, the study's (docs/results/dose itself) with its registration and the
     perplexity study's cosine runs of its designs as reference, as launch/reproduce_dose.sh writes it;
-    and docs/results/dose_extension's with its registration, once it has a report."""
+    and docs/results/dose_extension's with its registration and the fit to the paper's 165 tokens per
+    parameter, once it has a report."""
     from eval import dose
 
     reports = sorted(RESULTS.joinpath("dose").glob("**/dose_report.md"))
@@ -150,9 +151,9 @@ def test_published_dose_report_regenerates_from_the_committed_runs(tmp_path):
     for published in reports + [extension] * extension.is_file():
         folder = published.parent
         runs = [dose.load_run(p) for p in sorted(folder.glob("*_d*_s*")) if p.is_dir()]
-        family, reference = None, []
+        family, reference, fit_to = None, [], None
         if folder == RESULTS / "dose_extension":
-            family = dose.load_family(REPO / "conf" / "study" / "dose_extension.yaml")
+            family, fit_to = dose.load_family(REPO / "conf" / "study" / "dose_extension.yaml"), 165.0
         if folder == RESULTS / "dose":
             family = dose.load_family(REPO / "conf" / "study" / "dose.yaml")
             designs = {r.design for r in runs}
@@ -160,7 +161,7 @@ def test_published_dose_report_regenerates_from_the_committed_runs(tmp_path):
                                      for p in sorted(RESULTS.joinpath("perplexity").glob("*_s*"))
                                      if re.fullmatch(r"(origin|coca|alibi|fire)_s\d+", p.name)) if r.design in designs]
         out = tmp_path / folder.name
-        dose.write(runs, out, family, reference, 4096, 256)
+        dose.write(runs, out, family, reference, 4096, 256, fit_to)
         pyplot.close("all")
         for file in sorted(folder.glob("dose_*")):
             if file.suffix != ".png":

@@ -34,7 +34,7 @@ def test_dose_study_shortened(tmp_path: Path) -> None:
     family = tmp_path / "family.yaml"
     family.write_text(TINY_DOSE)
     results = tmp_path / "results"
-    env = dict(FAMILY=str(family), RESULTS=str(results), LENGTH="512",
+    env = dict(FAMILY=str(family), RESULTS=str(results), LENGTH="512", FIT_TO="165",
                TRAIN=" ".join(("optim.warmup_steps=2", "eval_every=10", *SMALL)),
                EVAL="ppl.lengths=[256,512] ppl.n_docs=1")
     out = run_script("reproduce_dose.sh", tmp_path, **env)
@@ -57,6 +57,9 @@ def test_dose_study_shortened(tmp_path: Path) -> None:
     assert [(t["test"], t["dose"]) for t in tests] == [("difference", "10"), ("difference", "20"), ("growth", "20-10")]
     assert [t["tested"] for t in tests] == ["False", "True", "True"]  # alibi trains the top dose only
     report = (results / "dose_report.md").read_text()
+    assert "## Fit of log(ratio - 1) against log tokens per parameter (exploratory; at 165: extrapolated)" in report
+    # origin's chain only (alibi trains one dose); its row needs a ratio above 1 at two doses after 10-20 steps
+    assert {r["design"] for r in csv.DictReader((results / "dose_fit.csv").open())} <= {"origin"}
     for run in runs:
         shutil.rmtree(tmp_path / run)
     run_script("reproduce_dose.sh", tmp_path, **env)

@@ -669,6 +669,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args: argparse.Namespace = parser.parse_args(argv)
     try:
         check_dir(args.out, "--out")
+        if args.fit_to is not None and not (math.isfinite(args.fit_to) and args.fit_to > 0):
+            raise DataError(f"--fit-to {args.fit_to:g}: tokens per parameter must be positive")
         family = load_family(args.family) if args.family else None
         distinct_runs([*args.runs, *args.reference])
         runs = [load_run(p) for p in args.runs]
@@ -681,8 +683,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         train_lens = {r.train_len for r in runs}
         if len(train_lens) != 1:
             raise DataError(f"the runs have different training lengths ({sorted(train_lens)}): one report per length")
-        if args.fit_to is not None and not (math.isfinite(args.fit_to) and args.fit_to > 0):
-            raise DataError(f"--fit-to {args.fit_to:g}: tokens per parameter must be positive")
         for path in write(runs, args.out, family, reference, args.length, train_lens.pop(), args.fit_to):
             print(path)
     except (FileNotFoundError, ValueError) as e:

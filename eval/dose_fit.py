@@ -21,15 +21,26 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from eval import stats
 from eval.aggregate import BOOTSTRAP_SEED, NONE
 
-if TYPE_CHECKING:
-    from eval.dose import DoseRun
+
+class DoseRun(Protocol):
+    """What the fit reads of a published run (`eval.dose.DoseRun`)."""
+
+    design: str
+    dose: int
+    seed: int
+    ratios: dict[tuple[str, int], float]
+
+    @property
+    def tokens_per_param(self) -> float: ...
+
+    def sink_retention(self, scaling: str, length: int) -> float | None: ...
 
 # The paper's PG-19 perplexity for its 350M models trained at 512 tokens (Zhu et al. 2023, Table 1),
 # as a ratio to its perplexity at 512: at 2x (1K) and 16x (8K), by multiple of the training length.

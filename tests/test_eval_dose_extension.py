@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.stats
-from omegaconf import OmegaConf
+from test_eval_dose import study_config
 
 from data.config import DataError
 from eval import dose, dose_fit
-from train.config import compose
 
 DOSES = (100, 200, 400)
 SEEDS = (1, 2, 3, 4)
@@ -29,8 +28,7 @@ def _folder(root: Path, design: str, steps: int, seed: int, ratio: float, shares
     (at 256, past 256 of 4096) on average over two layers and two heads."""
     path = root / f"{design}_d{steps}_s{seed}"
     path.mkdir(parents=True)
-    cfg = compose(["experiment=study_ppl", f"max_steps={steps}", f"seed={seed}", f"model.n_layer={layers}"])
-    (path / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (path / "config.yaml").write_text(study_config(steps, seed, layers))
     rows = [{"scaling": "none", "length": n, "ppl": 30.0 * r}
             for n, r in ((256, 1.0), (512, 1.0 + (ratio - 1.0) / 3), (4096, ratio))]
     (path / "ppl.json").write_text(json.dumps({"meta": {"train_len": 256, "seed": seed}, "rows": rows}))

@@ -3,8 +3,8 @@
     python -m eval.publish docs/results/study/origin_s1 runs/study/origin_s1/eval/*.json \\
         runs/study/origin_s1/config.yaml
 
-Each `.json` is written as `.json.gz` (`eval.results.publish`: compressed, bytes fixed by the
-content), every other file copied as it is; the readers (`eval.report`, `eval.dose`,
+Each `.json` (and a training log's `.jsonl`) is written gzip-compressed (`eval.results.publish`:
+bytes fixed by the content), every other file copied as it is; the readers (`eval.report`, `eval.dose`,
 `eval.replicate`) load either form. Exit 0; 1 (one `error:` line) for a file that cannot be read or written.
 """
 

@@ -64,12 +64,13 @@ def read_json(path: Path, fix: str) -> Any:
 
 
 def publish(files: Sequence[Path], dest: Path) -> list[Path]:
-    """Copy `files` into `dest`, each `.json` as `.json.gz` (gzip level 9, no name, mtime 0: the same
-    result gives the same bytes); the written paths. A compressed file replaces a plain one there."""
+    """Copy `files` into `dest`, each `.json` and `.jsonl` (a training log) gzip-compressed (level 9,
+    no name, mtime 0: the same result gives the same bytes); the written paths. A compressed file
+    replaces a plain one there."""
     dest.mkdir(parents=True, exist_ok=True)
     written = []
     for file in files:
-        if file.suffix != ".json":
+        if file.suffix not in (".json", ".jsonl"):
             written.append(Path(shutil.copy(file, dest / file.name)))
             continue
         out = dest / f"{file.name}{GZ}"

@@ -10,9 +10,9 @@
 # perplexity study evaluates (sliding-window perplexity on the same 20 held-out documents at 1x ..
 # 32x, as trained and with dynamic NTK 8 where the design has RoPE; then, with the family's
 # `attention_eval` overrides, its attention statistics, `python -m eval task=attention`) and
-# published as <design>_d<steps>_s<seed> with its config, results, machine.txt and cost.json (wall
-# seconds of training, every start of it, and of evaluation); then `python -m eval.dose` writes the
-# report (the pre-registered family first when FAMILY is given).
+# published as <design>_d<steps>_s<seed> with its config, results, training log (metrics.jsonl.gz),
+# machine.txt and cost.json (wall seconds of training, every start of it, and of evaluation); then
+# `python -m eval.dose` writes the report (the pre-registered family first when FAMILY is given).
 #
 #   RESULTS=docs/results/dose FAMILY=conf/study/dose.yaml \
 #     REFERENCE="$(echo docs/results/perplexity/{origin,coca,alibi,fire}_s[0-9]*)" launch/reproduce_dose.sh
@@ -108,7 +108,8 @@ evaluate_dose() {  # design seed dose: evaluate and publish
   if [ -n "$RESULTS" ]; then
     published="$RESULTS/$(name_of "$design" "$dose" "$seed")"
     mkdir -p "$published"
-    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml" "$run_dir/machine.txt"
+    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml" "$run_dir/machine.txt" \
+      "$run_dir/metrics.jsonl"  # JSON and the training log gzip-compressed
     python -c 'import json, pathlib, sys
 run = pathlib.Path(sys.argv[1])  # every start of its training (train_seconds: the launcher before 2026-12-04)
 starts = [*run.glob("train_seconds.d/*")] + [run / "train_seconds"] * (run / "train_seconds").is_file()

@@ -130,7 +130,8 @@ one_run() {  # arm seed
   fi
   if [ -n "$published" ]; then
     mkdir -p "$published"
-    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml"  # JSON gzip-compressed
+    # JSON and the training log (metrics.jsonl) gzip-compressed
+    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml" "$run_dir/metrics.jsonl"
     touch "$published/DONE"
   fi
 }

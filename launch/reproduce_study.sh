@@ -100,7 +100,8 @@ one_run() {  # design seed [training overrides...]; runs in a `|| echo` list, wh
   fi
   if [ -n "$published" ]; then
     mkdir -p "$published"
-    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml"  # JSON gzip-compressed
+    # JSON and the training log (metrics.jsonl) gzip-compressed
+    python -m eval.publish "$published" "$run_dir"/eval/*.json "$run_dir/config.yaml" "$run_dir/metrics.jsonl"
     if [ -f "$run_dir/machine.txt" ]; then cp "$run_dir/machine.txt" "$published/"; fi
     if [ "$TASK" = all ]; then cp "$run_dir"/eval/*.npz "$run_dir/eval/passkey_progress.md" "$published/"; fi
     touch "$published/DONE"

@@ -280,13 +280,18 @@ def test_a_published_run_loads_as_its_plain_copy(three, tmp_path):
     from eval.results import GZ
 
     plain = three[0]
+    log = '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.5}\n'
+    (plain / "metrics.jsonl").write_text(log)  # the training log, published with the results
     copies = []
     for name in ("a", "b"):
         dest = tmp_path / name / plain.name
         assert publish.main([str(dest), *(str(p) for p in sorted(plain.iterdir()))]) == 0
         copies.append(dest)
-    assert sorted(p.name for p in copies[0].iterdir()) == ["config.yaml", "cost.json.gz", "machine.txt", "ppl.json.gz"]
-    assert all((copies[0] / f).read_bytes() == (copies[1] / f).read_bytes() for f in ("ppl.json.gz", "cost.json.gz"))
+    assert sorted(p.name for p in copies[0].iterdir()) == ["config.yaml", "cost.json.gz", "machine.txt",
+                                                          "metrics.jsonl.gz", "ppl.json.gz"]
+    assert all((copies[0] / f).read_bytes() == (copies[1] / f).read_bytes()
+               for f in ("ppl.json.gz", "cost.json.gz", "metrics.jsonl.gz"))
+    assert gzip.decompress((copies[0] / "metrics.jsonl.gz").read_bytes()).decode() == log
     assert gzip.decompress((copies[0] / "ppl.json.gz").read_bytes()) == (plain / "ppl.json").read_bytes()
     assert dose.load_run(copies[0]) == dose.load_run(plain)
     (copies[0] / "ppl.json").write_bytes((plain / "ppl.json").read_bytes())

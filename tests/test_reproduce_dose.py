@@ -4,6 +4,7 @@ branches, a top-only design, the report testing the family, and a rerun from pub
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -44,7 +45,9 @@ def test_dose_study_shortened(tmp_path: Path) -> None:
     for run in runs:
         published = results / run
         assert {p.name for p in published.iterdir()} >= {"DONE", "config.yaml", "ppl.json.gz", "machine.txt",
-                                                         "cost.json"}
+                                                         "cost.json", "metrics.jsonl.gz"}
+        assert gzip.decompress((published / "metrics.jsonl.gz").read_bytes()) == \
+            (tmp_path / run / "metrics.jsonl").read_bytes()  # the training log
         cfg = (published / "config.yaml").read_text()
         assert "decay: wsd" in cfg and f"max_steps: {run.split('_d')[1].split('_')[0]}" in cfg
         cost = json.loads((published / "cost.json").read_text())

@@ -73,6 +73,8 @@ def test_extension_shortened(tmp_path: Path) -> None:
             assert ("attention: coca" in cfg) == (arm == "dropin_coca")
             passkey = json.loads(gzip.decompress((results / f"{arm}_s{seed}" / "passkey.json.gz").read_bytes()))
             assert {c["scaling"] for c in passkey["cases"]} == scalings and passkey["meta"]["seed"] == seed
+            log = gzip.decompress((results / f"{arm}_s{seed}" / "metrics.jsonl.gz").read_bytes()).decode()
+            assert f'"step": {choice["budget"]}' in log  # its training log, to the last step
     assert f"t_init: {choice['t_init']}" in (results / "dropin_coca_s1" / "config.yaml").read_text()
     family_rows = {(r["a"], r["b"]): r for r in csv.DictReader((results / "seeds_family.csv").open())}
     assert family_rows[("extend_yarn", "continue_origin")]["scaling_b"] == "dynamic:8"

@@ -53,7 +53,7 @@ def test_perplexity_study_shortened(tmp_path: Path) -> None:
         assert ("qk_norm: true" in cfg) == (design == "drope")
         assert (f"init_from: {tmp_path}/origin_s{run[-1]}" in cfg) == (design == "drope")
         assert sorted(p.name for p in (results / run).iterdir()) == [
-            "DONE", "config.yaml", "machine.txt", "ppl.json.gz"]
+            "DONE", "config.yaml", "machine.txt", "metrics.jsonl.gz", "ppl.json.gz"]
         machine = (results / run / "machine.txt").read_text().splitlines()  # one line per start
         assert len(machine) == 1 and f"torch {torch.__version__}" in machine[0]
         assert f", code {HEAD}" in machine[0]  # the commit the run's code came from

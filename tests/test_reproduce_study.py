@@ -3,6 +3,7 @@ few steps, two seeds and two lengths per task."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -37,6 +38,9 @@ def test_study_shortened(tmp_path: Path) -> None:
     for run in runs:
         progress = (tmp_path / "results" / run / "passkey_progress.md").read_text()
         assert f"| {run}/step_00000003 |" in progress
+    for run in runs:  # each run's training log is published with its results
+        log = tmp_path / "results" / run / "metrics.jsonl.gz"
+        assert gzip.decompress(log.read_bytes()) == (tmp_path / run / "metrics.jsonl").read_bytes()
     summary = (tmp_path / "results" / "seeds_summary.csv").read_text()
     for run in runs:  # a new machine: no runs, only the published results; nothing is retrained
         shutil.rmtree(tmp_path / run)

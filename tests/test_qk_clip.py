@@ -107,3 +107,41 @@ def test_qk_clip_run_logs_clipped_heads_per_layer(tmp_path):
     clips = [r for r in rows if "qk_max_logit/0" in r]
     assert [r["step"] for r in clips] == [1, 2, 3, 4]
     assert all(r["qk_clipped/0"] >= 1 and r["qk_max_logit/0"] > 0.02 for r in clips)
+
+
+def test_the_clip_log_counts_each_layers_clipped_steps(tmp_path, capsys):
+    """`python -m eval.qk_clip_log`: a hand-written log of 10 steps (records at the log interval, 5, and
+    wherever a head was clipped), plain and in its published gzip form, gives the counts written here;
+    a run without a log, or a log without QK-clip records, is one line, exit 1."""
+    import gzip
+
+    from eval import qk_clip_log
+
+    log = [{"step": 1, "loss": 5.0},
+           {"step": 2, "qk_max_logit/0": 14.0, "qk_clipped/0": 2, "qk_max_logit/1": 9.0, "qk_clipped/1": 0},
+           {"step": 5, "qk_max_logit/0": 12.5, "qk_clipped/0": 0, "qk_max_logit/1": 8.0, "qk_clipped/1": 0},
+           {"step": 7, "qk_max_logit/0": 13.5, "qk_clipped/0": 1, "qk_max_logit/1": 13.2, "qk_clipped/1": 1},
+           {"step": 10, "loss": 4.0},
+           {"step": 10, "qk_max_logit/0": 12.0, "qk_clipped/0": 0, "qk_max_logit/1": 7.0, "qk_clipped/1": 0}]
+    text = "".join(json.dumps(r) + "\n" for r in log)
+    plain, published = tmp_path / "plain", tmp_path / "published"
+    plain.mkdir(), published.mkdir()
+    (plain / "metrics.jsonl").write_text(text)
+    (published / "metrics.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    want = [{"layer": 0, "steps": 10, "steps_clipped": 2, "heads_per_step": 0.3, "first_clipped": 2,
+             "last_clipped": 7, "max_logit": 14.0},
+            {"layer": 1, "steps": 10, "steps_clipped": 1, "heads_per_step": 0.1, "first_clipped": 7,
+             "last_clipped": 7, "max_logit": 13.2}]
+    for run in (plain, published):
+        assert [{k: v for k, v in row.items() if k != "run"} for row in qk_clip_log.summary(run)] == want
+    assert qk_clip_log.main([str(plain), "--out", str(tmp_path / "log.csv")]) == 0
+    assert "| plain | 0 | 10 | 2 | 0.300 | 2 | 7 | 14.00 |" in capsys.readouterr().out
+    assert (tmp_path / "log.csv").read_text().splitlines()[0].startswith("run,layer,steps,steps_clipped")
+    (tmp_path / "none").mkdir()
+    (tmp_path / "adamw").mkdir()
+    (tmp_path / "adamw" / "metrics.jsonl").write_text(json.dumps(log[0]) + "\n")
+    for run, line in ((tmp_path / "none", "no training log (metrics.jsonl or metrics.jsonl.gz)"),
+                      (tmp_path / "adamw", "its training log has no QK-clip records")):
+        assert qk_clip_log.main([str(run)]) == 1
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {run}: {line}" + (
+            " (trained without optim.qk_clip?)" if "records" in line else "")]

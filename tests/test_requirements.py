@@ -16,8 +16,8 @@ import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
-RUNTIME = ("train", "train.export_hf", "eval", "eval.report", "eval.replicate", "eval.dose", "eval.publish", "generate",
-           "data.tokenizer", "data.prepare", "data.documents")
+RUNTIME = ("train", "train.export_hf", "eval", "eval.report", "eval.replicate", "eval.dose", "eval.publish",
+           "eval.qk_clip_log", "generate", "data.tokenizer", "data.prepare", "data.documents")
 DEV_ONLY_PACKAGES = ("bench", "tests")
 
 

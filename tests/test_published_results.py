@@ -61,6 +61,16 @@ def _muon() -> list[Path]:
             if (folder / f"{name}_s{seed}").is_dir()]
 
 
+def _qk_clip() -> list[Path]:
+    """conf/study/qk_clip.yaml's command: seed by seed, the AdamW Origin and CoCA runs (perplexity
+    study), the Muon runs (Muon study), then the clipped runs published here."""
+    names = ("origin", "coca", "origin_muon", "coca_muon", "origin_muon_clip", "coca_muon_clip")
+    folders = (RESULTS / "qk_clip", RESULTS / "muon", RESULTS / "perplexity")  # RESULTS, then PUBLISHED
+    return [next(f / f"{name}_s{seed}" for f in folders if (f / f"{name}_s{seed}").is_dir())
+            for seed in range(1, 11) for name in names
+            if any((f / f"{name}_s{seed}").is_dir() for f in folders)]
+
+
 REPORTS = {
     "pilot": (lambda: sorted(RESULTS.joinpath("pilot").glob("*_s?")), aggregate.FAMILY_FILE),
     "perplexity/pilot": (lambda: _study_runs(RESULTS / "perplexity" / "pilot", ("origin",)),
@@ -79,6 +89,7 @@ REPORTS = {
     "field_retrieval": (_field_retrieval, aggregate.FAMILY_FILE.with_name("field_retrieval.yaml")),
     "field_retrieval/bar_only": (_field_retrieval, aggregate.FAMILY_FILE.with_name("field_retrieval.yaml")),
     "muon": (_muon, aggregate.FAMILY_FILE.with_name("muon.yaml")),
+    "qk_clip": (_qk_clip, aggregate.FAMILY_FILE.with_name("qk_clip.yaml")),
 }
 
 
